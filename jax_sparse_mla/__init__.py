@@ -1,0 +1,35 @@
+"""jax_sparse_mla: token-sparse MLA attention over paged FP8 KV caches for JAX.
+
+Public API:
+  sparse_mla, merge_attention_states          the operations (api.py)
+  quantize_kv, update_kv, dequantize_kv       building and reading caches (formats.py)
+  FORMATS, KVFormat, get_format               the format registry (formats.py)
+  plan, Plan, DeviceInfo                      trace-time planning (planner.py)
+  supported_configs, check_supported          the supported envelope (validate.py)
+  cuda_available                              whether the CUDA kernels are built
+"""
+
+from ._ffi import cuda_available
+from .api import merge_attention_states, sparse_mla
+from .formats import FORMATS, KVFormat, dequantize_kv, get_format, quantize_kv, update_kv
+from .planner import DeviceInfo, Plan, plan
+from .validate import check_supported, supported_configs
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sparse_mla",
+    "merge_attention_states",
+    "quantize_kv",
+    "update_kv",
+    "dequantize_kv",
+    "FORMATS",
+    "KVFormat",
+    "get_format",
+    "plan",
+    "Plan",
+    "DeviceInfo",
+    "supported_configs",
+    "check_supported",
+    "cuda_available",
+]

@@ -1,0 +1,98 @@
+"""Loading the extensions, registering the FFI targets, and the ``ffi_call`` plumbing.
+
+The CPU extension is always built. The CUDA extension is optional: when it is missing,
+:func:`cuda_import_error` says why, and ``sparse_mla`` raises a clear error on a CUDA backend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _cpu_ext
+from .formats import CacheLayout
+
+#: The versioned FFI target (a changed attribute contract gets a new name).
+TARGET = "jax_sparse_mla_fwd_v1"
+
+for _name, _capsule in _cpu_ext.registrations().items():
+    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+
+try:
+    from . import _cuda_ext  # noqa: F401
+except ImportError as _error:  # built without CUDA, or the CUDA runtime cannot load
+    _cuda_ext = None
+    _CUDA_IMPORT_ERROR: Optional[ImportError] = _error
+else:
+    _CUDA_IMPORT_ERROR = None
+    for _name, _capsule in _cuda_ext.registrations().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+
+def cuda_available() -> bool:
+    """True when the CUDA extension is built and its handlers are registered."""
+    return _cuda_ext is not None
+
+
+def cuda_import_error() -> Optional[ImportError]:
+    """Why the CUDA extension is unavailable (None when it is available)."""
+    return _CUDA_IMPORT_ERROR
+
+
+def cpu_format_table() -> list:
+    """The C++ format table (``kernels/common/formats.h``) as a list of dicts."""
+    return _cpu_ext.format_table()
+
+
+def cuda_kernel_configs() -> Optional[dict]:
+    """The CUDA family's constants as compiled, or None without the CUDA extension."""
+    return None if _cuda_ext is None else _cuda_ext.kernel_configs()
+
+
+def _geometry(prefix: str, layout: Optional[CacheLayout]) -> dict:
+    if layout is None:
+        return {f"{prefix}page_size": np.int64(1), f"{prefix}num_pages": np.int64(0),
+                f"{prefix}page_stride": np.int64(0), f"{prefix}row_stride": np.int64(0)}
+    return {f"{prefix}page_size": np.int64(layout.page_size), f"{prefix}num_pages": np.int64(layout.num_pages),
+            f"{prefix}page_stride": np.int64(layout.page_stride), f"{prefix}row_stride": np.int64(layout.row_stride)}
+
+
+def call(plan, problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
+         extra_topk_length, valid_tokens):
+    """Emits the custom call for one plan. Absent optional operands are passed as empty arrays.
+
+    Args are flattened rows: q ``[T, H, d_qk]``, indices ``[T, topk]``, lengths ``[T]`` or None,
+    attn_sink ``[H]`` or None, extra arrays or None, valid_tokens an int32 scalar.
+    Returns ``(out, lse)``; the workspace output is dropped.
+    """
+    fmt = problem.fmt
+    t, h = problem.num_tokens, problem.num_heads
+    empty_i32 = jnp.zeros((0,), jnp.int32)
+    if extra_kv_cache is None:
+        extra_kv_cache = jnp.zeros((0,), jnp.uint8)
+        extra_indices = jnp.zeros((t, 0), jnp.int32)
+    operands = (
+        q,
+        kv_cache,
+        indices,
+        empty_i32 if topk_length is None else topk_length,
+        jnp.zeros((0,), jnp.float32) if attn_sink is None else attn_sink,
+        extra_kv_cache,
+        extra_indices,
+        empty_i32 if extra_topk_length is None else extra_topk_length,
+        jnp.reshape(valid_tokens, (1,)),
+    )
+    results = (
+        jax.ShapeDtypeStruct((t, h, fmt.d_v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((t, h), jnp.float32),
+        jax.ShapeDtypeStruct(plan.workspace_shape, jnp.uint8),
+    )
+    attrs = {"kv_format": np.int32(fmt.id), "sm_scale": np.float32(problem.sm_scale)}
+    attrs.update(_geometry("", problem.layout))
+    attrs.update(_geometry("extra_", problem.extra_layout))
+    attrs.update({k: np.int32(v) for k, v in plan.attrs().items()})
+    out, lse, _ = jax.ffi.ffi_call(TARGET, results)(*operands, **attrs)
+    return out, lse

@@ -1,0 +1,209 @@
+"""The public operations: :func:`sparse_mla` and :func:`merge_attention_states`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from . import _ffi, planner, validate
+from .formats import KVFormat
+from .reference import sparse_mla_reference
+
+__all__ = ["sparse_mla", "merge_attention_states"]
+
+# Operand names of the flattened op, in order; absent optional operands are left out of the dict.
+_OPERANDS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_cache", "extra_indices",
+             "extra_topk_length", "valid_tokens")
+
+
+def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scale: float,
+               page_size: Optional[int] = None, topk_length=None, attn_sink=None, extra_kv_cache=None,
+               extra_indices=None, extra_topk_length=None, extra_page_size: Optional[int] = None,
+               valid_tokens=None, impl: str = "auto"):
+    """Token-sparse MLA attention over a paged (FP8) KV cache (SPEC §4).
+
+    Each query row ``t`` attends to the cache slots listed in ``indices[t]``; invalid candidates
+    (out of range, negative, past ``topk_length[t]``, past the format's window) are masked and never
+    read. The softmax is joint over the main and (for ``dsv4``/``dsv4_1``) the extra cache.
+
+    Args:
+      q: bfloat16 ``[T, H, d_qk]`` or ``[B, S, H, d_qk]``; 1 <= H <= 128.
+      kv_cache: a cache of ``kv_format`` in any form of SPEC §3 (uint8/int8/float8_e4m3fn bytes, or
+        bfloat16 for ``bf16_*``).
+      indices: int32 ``[T, topk]``, ``[T, 1, topk]`` or ``[B, S, topk]``: global slots
+        (``page * page_size + offset``).
+      kv_format: format key (see :data:`jax_sparse_mla.FORMATS`) or :class:`KVFormat`.
+      sm_scale: static softmax scale applied to ``q·k``.
+      page_size: tokens per page; required only for the 2-D ``[num_pages, page_bytes]`` form.
+      topk_length: int32 ``[T]``/``[B, S]``: only the first ``topk_length[t]`` entries of row t are used.
+      attn_sink: float32 ``[H]``: one extra logit per head whose value vector is zero.
+      extra_kv_cache, extra_indices, extra_topk_length, extra_page_size: the dual cache (``dsv4``,
+        ``dsv4_1``); cache and indices go together.
+      valid_tokens: int32 scalar or ``[1]``: rows ``t >= valid_tokens`` (of the flattened rows) are padding:
+        ``out = 0``, ``lse = -inf``, skipped on the device.
+      impl: ``"auto"`` (planner), ``"decode"``/``"prefill"`` (force a CUDA variant) or ``"xla"`` (pure JAX).
+
+    Returns:
+      ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
+
+    Raises:
+      TypeError: wrong dtypes. ValueError: anything else that shapes reveal (SPEC §5).
+      NotImplementedError: under ``jax.grad``/``jax.jvp`` (no backward pass).
+
+    Under ``jax.vmap`` the batch folds into rows (caches must not be batched). Calling this on arrays
+    sharded across devices outside ``shard_map`` makes XLA gather the operands; shard per device instead.
+    """
+    problem = validate.normalize(
+        q, kv_cache, indices, kv_format=kv_format, sm_scale=sm_scale, page_size=page_size,
+        topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+        extra_topk_length=extra_topk_length, extra_page_size=extra_page_size, valid_tokens=valid_tokens, impl=impl)
+    lead, t, h = problem.lead_shape, problem.num_tokens, problem.num_heads
+    d_v = problem.fmt.d_v
+    if t == 0:
+        return jnp.zeros((*lead, h, d_v), jnp.bfloat16), jnp.zeros((*lead, h), jnp.float32)
+    arrays = {
+        "q": q.reshape(t, h, problem.fmt.d_qk),
+        "kv_cache": kv_cache,
+        "indices": indices.reshape(t, problem.topk),
+        "topk_length": None if topk_length is None else topk_length.reshape(t),
+        "attn_sink": attn_sink,
+        "extra_kv_cache": extra_kv_cache,
+        "extra_indices": None if extra_indices is None else extra_indices.reshape(t, problem.extra_topk),
+        "extra_topk_length": None if extra_topk_length is None else extra_topk_length.reshape(t),
+        "valid_tokens": None if valid_tokens is None else valid_tokens.reshape(()),
+    }
+    arrays = {k: v for k, v in arrays.items() if v is not None}
+    out, lse = _differentiation_guard(problem, arrays)
+    return out.reshape(*lead, h, d_v), lse.reshape(*lead, h)
+
+
+def _differentiation_guard(problem, arrays):
+    @jax.custom_jvp
+    def op(arrays):
+        return _batching_rule_op(problem)(arrays)
+
+    @op.defjvp
+    def _no_derivative(primals, tangents):
+        raise NotImplementedError(
+            "sparse_mla has no derivative: jax.grad/jax.jvp/jax.vjp through sparse_mla are not supported "
+            "(it is an inference kernel). Use jax.lax.stop_gradient on its inputs if they come from "
+            "differentiated code.")
+
+    return op(arrays)
+
+
+def _batching_rule_op(problem):
+    """The flattened op, with a vmap rule that folds the batch into rows."""
+
+    @jax.custom_batching.custom_vmap
+    def op(arrays):
+        return _lower(problem, arrays)
+
+    @op.def_vmap
+    def _fold_batch(axis_size, in_batched, arrays):
+        for name in ("kv_cache", "extra_kv_cache"):
+            if in_batched.get(name):
+                raise ValueError(f"{name}: a cache batched under jax.vmap is not supported (caches are shared, "
+                                 f"never copied per batch element); pass it unbatched (in_axes=None)")
+        if in_batched.get("attn_sink"):
+            raise ValueError("attn_sink: batching over jax.vmap is not supported (one sink per head); "
+                             "pass it unbatched (in_axes=None)")
+        batch, t = axis_size, problem.num_tokens
+        rows = batch * t
+
+        def fold(name):
+            x = arrays[name]
+            if not in_batched[name]:
+                x = jnp.broadcast_to(x, (batch, *x.shape))
+            return x.reshape(rows, *x.shape[2:])
+
+        folded = {name: (fold(name) if name in ("q", "indices", "topk_length", "extra_indices",
+                                                "extra_topk_length") else arrays[name])
+                  for name in arrays if name != "valid_tokens"}
+        row_valid = None
+        if "valid_tokens" in arrays:
+            per_element = arrays["valid_tokens"]
+            if not in_batched["valid_tokens"]:
+                per_element = jnp.broadcast_to(per_element, (batch,))
+            row_valid = (jnp.arange(t, dtype=jnp.int32)[None, :] < per_element[:, None]).reshape(rows)
+            # Masked rows get empty candidate lists so the kernels skip their work.
+            folded["topk_length"] = jnp.where(row_valid, folded.get("topk_length", problem.topk), 0)
+            if "extra_indices" in folded:
+                folded["extra_topk_length"] = jnp.where(
+                    row_valid, folded.get("extra_topk_length", problem.extra_topk), 0)
+        inner = dataclasses.replace(problem, lead_shape=(rows,), num_tokens=rows,
+                                    has_topk_length="topk_length" in folded,
+                                    has_extra_topk_length="extra_topk_length" in folded)
+        out, lse = _batching_rule_op(inner)(folded)
+        if row_valid is not None:
+            out = jnp.where(row_valid[:, None, None], out, jnp.zeros((), out.dtype))
+            lse = jnp.where(row_valid[:, None], lse, -jnp.inf)
+        out = out.reshape(batch, t, *out.shape[1:])
+        lse = lse.reshape(batch, t, *lse.shape[1:])
+        return (out, lse), (True, True)
+
+    return op
+
+
+def _lower(problem, arrays):
+    get = arrays.get
+    if problem.impl == "xla":
+        return sparse_mla_reference(
+            get("q"), get("kv_cache"), get("indices"), fmt=problem.fmt, layout=problem.layout,
+            sm_scale=problem.sm_scale, topk_length=get("topk_length"), attn_sink=get("attn_sink"),
+            extra_kv_cache=get("extra_kv_cache"), extra_indices=get("extra_indices"),
+            extra_topk_length=get("extra_topk_length"), extra_layout=problem.extra_layout,
+            valid_tokens=get("valid_tokens"))
+    valid_tokens = get("valid_tokens")
+    if valid_tokens is None:
+        valid_tokens = jnp.int32(problem.num_tokens)
+    operands = [get(name) for name in _OPERANDS[:-1]] + [valid_tokens]
+
+    def lower_for(platform):
+        plan = planner.plan((problem.num_tokens, problem.num_heads, problem.fmt.d_qk), problem.fmt, problem.topk,
+                            extra_topk=problem.extra_topk, platform=platform, impl=problem.impl)
+        return lambda *ops: _ffi.call(plan, problem, *ops)
+
+    if problem.impl in ("decode", "prefill"):
+        if not _ffi.cuda_available():
+            raise ValueError(f"impl: {problem.impl!r} needs the CUDA extension, which is not available "
+                             f"({_ffi.cuda_import_error()}); use impl='auto' or 'xla'")
+        return lower_for("cuda")(*operands)
+    if _ffi.cuda_available():
+        return jax.lax.platform_dependent(*operands, cpu=lower_for("cpu"), cuda=lower_for("cuda"))
+    if jax.default_backend() == "gpu":
+        raise ValueError("impl: 'auto' on a GPU backend needs the CUDA extension, which is not available "
+                         f"({_ffi.cuda_import_error()}); rebuild with JSMLA_CUDA=ON or pass impl='xla'")
+    return lower_for("cpu")(*operands)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Combines two attention states over disjoint candidate sets (SPEC §4).
+
+    Args:
+      out_a, out_b: ``[..., H, d_v]`` (any float dtype; the result has out_a's dtype).
+      lse_a, lse_b: float32 ``[..., H]``, natural log; ``-inf`` marks an empty state.
+    Returns:
+      ``(out, lse)`` of the union: ``lse = logaddexp(lse_a, lse_b)``, ``out`` the lse-weighted mix.
+      Two empty states give ``out = 0``, ``lse = -inf``; a ``+inf`` lse (an infinite sink) gives
+      ``out = 0``, ``lse = +inf``.
+    """
+    for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if x.dtype != jnp.float32:
+            raise TypeError(f"{name}: expected float32 [..., H], got {x.dtype} {list(x.shape)}")
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape or out_a.shape[:-1] != lse_a.shape:
+        raise ValueError(f"out/lse: expected out_a, out_b [..., H, d_v] and lse_a, lse_b [..., H] of matching "
+                         f"shapes, got {list(out_a.shape)}, {list(out_b.shape)}, {list(lse_a.shape)}, "
+                         f"{list(lse_b.shape)}")
+    lse = jnp.logaddexp(lse_a, lse_b)
+    finite = jnp.isfinite(lse)
+    safe = jnp.where(finite, lse, 0.0)
+    weight_a = jnp.where(finite, jnp.exp(lse_a - safe), 0.0)[..., None]
+    weight_b = jnp.where(finite, jnp.exp(lse_b - safe), 0.0)[..., None]
+    # where(), not a product, so an empty state's values can never leak into the result.
+    out = (jnp.where(weight_a > 0, weight_a * out_a.astype(jnp.float32), 0.0)
+           + jnp.where(weight_b > 0, weight_b * out_b.astype(jnp.float32), 0.0))
+    return out.astype(out_a.dtype), lse

@@ -1,0 +1,481 @@
+"""KV-cache formats: the byte layouts of SPEC §3 and pure-JAX quantize / update / dequantize.
+
+Every format is a :class:`KVFormat` registered under a string key. The C++ header
+``kernels/common/formats.h`` holds the same table for the kernels; ``tests/test_formats.py`` checks
+that the two agree field by field.
+
+Cache geometry is described by :class:`CacheLayout` (pages, page size, page stride and row stride in
+bytes), computed from a cache's shape by :func:`cache_layout`. The same numbers are handed to the
+kernels, so Python and C++ address a slot identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "KVFormat",
+    "Layout",
+    "ScaleKind",
+    "FORMATS",
+    "get_format",
+    "CacheLayout",
+    "cache_layout",
+    "quantize_kv",
+    "update_kv",
+    "dequantize_kv",
+    "encode_rows",
+    "decode_rows",
+    "gather_rows",
+]
+
+
+class Layout(enum.IntEnum):
+    """How a token's bytes are arranged (values match ``jsmla::Layout``)."""
+
+    INLINE = 0  # each row holds fp8 values, scales and bf16 lanes
+    FOOTER = 1  # a page holds all data rows, then all scale rows
+    BF16 = 2  # unquantized bfloat16 rows
+
+
+class ScaleKind(enum.IntEnum):
+    """How group scales are stored (values match ``jsmla::ScaleKind``)."""
+
+    NONE = 0
+    FP32 = 1  # little-endian float32 per group
+    UE8M0 = 2  # one exponent byte per group: 2^(b-127)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """Byte layout of one KV-cache format.
+
+    Attributes mirror ``jsmla::FormatTraits``. K of a token is ``fp8_dim`` FP8 lanes (dequantized
+    by their group's scale) followed by ``bf16_dim`` BF16 lanes; V is the first ``d_v`` lanes of K.
+    """
+
+    key: str
+    id: int
+    layout: Layout
+    scale_kind: ScaleKind
+    d_qk: int
+    d_v: int
+    bytes_per_token: int
+    fp8_dim: int
+    bf16_dim: int
+    group_size: int
+    num_groups: int
+    data_row_bytes: int
+    scale_offset: int
+    scale_row_bytes: int
+    bf16_offset: int
+    max_candidates: int
+    pow2_scales: bool
+    dual_cache: bool
+    description: str = dataclasses.field(default="", compare=False)
+
+    @property
+    def quantized(self) -> bool:
+        """True for the FP8 formats (uint8 caches), False for ``bf16_*``."""
+        return self.layout != Layout.BF16
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of one group scale (4 for FP32, 1 for UE8M0, 0 without scales)."""
+        return {ScaleKind.NONE: 0, ScaleKind.FP32: 4, ScaleKind.UE8M0: 1}[self.scale_kind]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def _fmt(key, id, layout, scale, d_qk, d_v, bpt, fp8, bf16, group, data, soff, srow, b16off, maxc, pow2, dual,
+         description):
+    return KVFormat(key, id, Layout(layout), ScaleKind(scale), d_qk, d_v, bpt, fp8, bf16, group,
+                    fp8 // group if group else 0, data, soff, srow, b16off, maxc, pow2, dual, description)
+
+
+_I, _F, _B = Layout.INLINE, Layout.FOOTER, Layout.BF16
+_N, _S32, _E8 = ScaleKind.NONE, ScaleKind.FP32, ScaleKind.UE8M0
+
+#: All formats by key (SPEC §3).
+FORMATS: dict[str, KVFormat] = {
+    f.key: f
+    for f in (
+        _fmt("dsv3_2", 0, _I, _S32, 576, 512, 656, 512, 64, 128, 656, 512, 0, 528, 0, True, False,
+             "DeepSeek-V3.2: FP8 nope(512) + 4 power-of-two FP32 scales + BF16 rope(64), inline"),
+        _fmt("glm_nsa", 1, _I, _S32, 576, 512, 656, 512, 64, 128, 656, 512, 0, 528, 0, False, False,
+             "GLM-5 NSA: FP8 nope(512) + 4 FP32 scales + BF16 rope(64), inline"),
+        _fmt("glm53_nope", 2, _I, _S32, 512, 512, 528, 512, 0, 128, 528, 512, 0, 528, 0, False, False,
+             "GLM-5.3 no-RoPE: FP8(512) + 4 FP32 scales, inline (wider legacy rows accepted)"),
+        _fmt("dsv4", 3, _F, _E8, 512, 512, 584, 448, 64, 64, 576, 0, 8, 448, 0, True, True,
+             "DeepSeek-V4: FP8 nope(448) + BF16 rope(64); UE8M0 per 64 in a page footer"),
+        _fmt("dsv4_1", 4, _F, _E8, 512, 512, 528, 512, 0, 32, 512, 0, 16, 512, 0, True, True,
+             "DeepSeek-V4.1: FP8(512); UE8M0 per 32 in a page footer"),
+        _fmt("dots3_swa", 5, _F, _E8, 1088, 1024, 1160, 1024, 64, 128, 1152, 0, 8, 1024, 513, True, False,
+             "DOTS3 sliding-window MLA: FP8 nope(1024) + BF16 rope(64); UE8M0 per 128 in a page footer"),
+        _fmt("bf16_576", 6, _B, _N, 576, 512, 1152, 0, 576, 0, 1152, 0, 0, 0, 0, False, False,
+             "unquantized BF16 rows, DeepSeek shape (V = first 512 lanes)"),
+        _fmt("bf16_512", 7, _B, _N, 512, 512, 1024, 0, 512, 0, 1024, 0, 0, 0, 0, False, False,
+             "unquantized BF16 rows, no-rope shape"),
+    )
+}
+
+
+def get_format(kv_format: Union[str, KVFormat]) -> KVFormat:
+    """Returns the :class:`KVFormat` for a key or format object.
+
+    Raises:
+      ValueError: for an unknown key. TypeError: for anything other than a str or KVFormat.
+    """
+    if isinstance(kv_format, KVFormat):
+        if FORMATS.get(kv_format.key) != kv_format:
+            raise ValueError(f"kv_format: expected a registered format, got an unregistered {kv_format!r}")
+        return kv_format
+    if not isinstance(kv_format, str):
+        raise TypeError(f"kv_format: expected a str key or KVFormat, got {type(kv_format).__name__}")
+    try:
+        return FORMATS[kv_format]
+    except KeyError:
+        raise ValueError(f"kv_format: expected one of {sorted(FORMATS)}, got {kv_format!r}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache geometry
+# --------------------------------------------------------------------------------------------------
+
+_QUANTIZED_DTYPES = (np.dtype(np.uint8), np.dtype(np.int8), np.dtype(jnp.float8_e4m3fn))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Static geometry of a cache, in bytes (mirrors ``jsmla::CacheView``).
+
+    A slot ``s`` lives in page ``s // page_size`` at row ``s % page_size``. Pages start
+    ``page_stride`` bytes apart; rows (inline, bf16) or data rows (footer) start ``row_stride``
+    bytes apart inside a page; footer scale rows follow the ``page_size`` data rows.
+    """
+
+    num_pages: int
+    page_size: int
+    page_stride: int
+    row_stride: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+
+def _shape_text(x) -> str:
+    return f"{np.dtype(x.dtype).name} [{', '.join(str(d) for d in x.shape)}]"
+
+
+def cache_layout(cache, kv_format: Union[str, KVFormat], page_size: Optional[int] = None,
+                 name: str = "kv_cache") -> CacheLayout:
+    """Validates a cache's shape and dtype against SPEC §3 and returns its :class:`CacheLayout`.
+
+    Accepts any object with ``shape`` and ``dtype`` (arrays, ShapeDtypeStructs, tracers).
+
+    Raises:
+      TypeError: wrong dtype. ValueError: any shape or page-size violation.
+    """
+    fmt = get_format(kv_format)
+    shape = tuple(int(d) for d in cache.shape)
+    dtype = np.dtype(cache.dtype)
+    if page_size is not None:
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
+            raise TypeError(f"page_size: expected an int, got {type(page_size).__name__}")
+        page_size = int(page_size)
+        if page_size < 1:
+            raise ValueError(f"page_size: expected an int >= 1, got {page_size}")
+
+    if not fmt.quantized:
+        if dtype != np.dtype(jnp.bfloat16):
+            raise TypeError(f"{name}: expected bfloat16 for format {fmt.key}, got {_shape_text(cache)}")
+        row_bytes = 2 * fmt.d_qk
+        if len(shape) == 2 and shape[1] == fmt.d_qk:
+            if page_size not in (None, 1):
+                raise ValueError(f"{name}: a [num_slots, {fmt.d_qk}] bf16 cache has page_size 1, got page_size={page_size}")
+            return CacheLayout(shape[0], 1, row_bytes, row_bytes)
+        dims = _squeeze_head_axis(shape)
+        if dims is not None and len(dims) == 3 and dims[2] == fmt.d_qk:
+            _check_page_size_matches(name, page_size, dims[1])
+            return CacheLayout(dims[0], dims[1], dims[1] * row_bytes, row_bytes)
+        raise ValueError(
+            f"{name}: expected bfloat16 [num_slots, {fmt.d_qk}] or [num_pages, page_size, {fmt.d_qk}] "
+            f"(unit head axis allowed) for format {fmt.key}, got {_shape_text(cache)}")
+
+    if dtype not in _QUANTIZED_DTYPES:
+        raise TypeError(f"{name}: expected uint8 (or int8/float8_e4m3fn views) for format {fmt.key}, "
+                        f"got {_shape_text(cache)}")
+    bpt = fmt.bytes_per_token
+    footer = fmt.layout == Layout.FOOTER
+    if len(shape) == 2:
+        if page_size is None:
+            raise ValueError(f"{name}: a 2-D cache [num_pages, page_bytes] needs page_size=, got none "
+                             f"(shape {_shape_text(cache)})")
+        page_bytes = shape[1]
+        need = page_size * bpt
+        if page_bytes < need or page_bytes % 16:
+            raise ValueError(
+                f"{name}: expected page_bytes >= page_size*bytes_per_token = {page_size}*{bpt} = {need} and a "
+                f"multiple of 16 for format {fmt.key}, got [{shape[0]}, {page_bytes}]")
+        row_stride = fmt.data_row_bytes if footer else bpt
+        return CacheLayout(shape[0], page_size, page_bytes, row_stride)
+
+    dims = _squeeze_head_axis(shape)
+    if dims is None or len(dims) != 3:
+        raise ValueError(
+            f"{name}: expected uint8 [num_pages, page_size, row_bytes], [num_pages, page_size, 1, row_bytes], "
+            f"[num_pages, 1, page_size, row_bytes] or [num_pages, page_bytes] (with page_size=) for format "
+            f"{fmt.key}, got {_shape_text(cache)}")
+    num_pages, tokens, row_bytes = dims
+    _check_page_size_matches(name, page_size, tokens)
+    if footer:
+        if row_bytes != bpt:
+            raise ValueError(f"{name}: footer format {fmt.key} needs row_bytes == {bpt} (rows are packed), "
+                             f"got row_bytes={row_bytes}")
+        if (tokens * bpt) % 16:
+            raise ValueError(
+                f"{name}: footer format {fmt.key} needs page_size*{bpt} to be a multiple of 16 so pages stay "
+                f"16-byte aligned, got page_size={tokens}; use the 2-D form [num_pages, page_bytes] with padded pages")
+        return CacheLayout(num_pages, tokens, tokens * bpt, fmt.data_row_bytes)
+    if row_bytes < bpt or row_bytes % 16:
+        raise ValueError(f"{name}: inline format {fmt.key} needs row_bytes >= {bpt} and a multiple of 16, "
+                         f"got row_bytes={row_bytes}")
+    return CacheLayout(num_pages, tokens, tokens * row_bytes, row_bytes)
+
+
+def _squeeze_head_axis(shape):
+    if len(shape) == 3:
+        return shape
+    if len(shape) == 4:
+        if shape[2] == 1:  # NHD
+            return (shape[0], shape[1], shape[3])
+        if shape[1] == 1:  # HND
+            return (shape[0], shape[2], shape[3])
+    return None
+
+
+def _check_page_size_matches(name, page_size, tokens):
+    if page_size is not None and page_size != tokens:
+        raise ValueError(f"{name}: page_size={page_size} does not match the cache's page axis of {tokens}")
+
+
+def _as_pages(cache, layout: CacheLayout):
+    """Byte view [num_pages, page_stride] (uint8) of a quantized cache, or [num_pages, page_size*d] bf16."""
+    if cache.dtype == jnp.bfloat16:
+        return cache.reshape(layout.num_pages, -1)
+    if cache.dtype != jnp.uint8:
+        cache = jax.lax.bitcast_convert_type(cache, jnp.uint8)
+    return cache.reshape(layout.num_pages, layout.page_stride)
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoding (quantization) of rows, bit-exact per SPEC §3
+# --------------------------------------------------------------------------------------------------
+
+_FP8_MAX = 448.0
+
+
+def _pow2_scale_bits(amax):
+    """Exponent field of 2^ceil(log2(amax/448)) computed from the float32 bits of amax/448."""
+    ratio = amax / jnp.float32(_FP8_MAX)
+    bits = jax.lax.bitcast_convert_type(ratio, jnp.uint32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    return exponent + (mantissa != 0).astype(jnp.uint32)
+
+
+def _to_bytes(x, dtype):
+    """[..., n] values -> [..., n * itemsize] little-endian bytes."""
+    x = x.astype(dtype)
+    if np.dtype(dtype).itemsize == 1:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)
+    b = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return b.reshape(*x.shape[:-1], -1)
+
+
+def encode_rows(kv, kv_format: Union[str, KVFormat]):
+    """Quantizes rows per SPEC §3.
+
+    Args:
+      kv: ``[n, d_qk]`` float32 or bfloat16, finite.
+    Returns:
+      ``(data, scales)``: for quantized formats uint8 ``[n, data_row_bytes]`` (inline: the whole
+      row payload including scales) and uint8 ``[n, scale_row_bytes]`` (footer scale rows; an
+      empty ``[n, 0]`` otherwise). For ``bf16_*``: ``(kv as bfloat16, None)``.
+    """
+    fmt = get_format(kv_format)
+    if kv.ndim != 2 or kv.shape[-1] != fmt.d_qk:
+        raise ValueError(f"kv: expected [num_tokens, {fmt.d_qk}] for format {fmt.key}, got {_shape_text(kv)}")
+    if kv.dtype not in (jnp.float32, jnp.bfloat16):
+        raise TypeError(f"kv: expected float32 or bfloat16, got {_shape_text(kv)}")
+    if not fmt.quantized:
+        return kv.astype(jnp.bfloat16), None
+    n = kv.shape[0]
+    x = kv.astype(jnp.float32)
+    nope = x[:, : fmt.fp8_dim].reshape(n, fmt.num_groups, fmt.group_size)
+    amax = jnp.maximum(jnp.max(jnp.abs(nope), axis=-1), jnp.float32(1e-4))
+    if fmt.pow2_scales:
+        exponent = _pow2_scale_bits(amax)
+        scale = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+    else:
+        scale = amax / jnp.float32(_FP8_MAX)
+    scaled = jnp.clip(nope / scale[..., None], -_FP8_MAX, _FP8_MAX)
+    fp8_bytes = _to_bytes(scaled.reshape(n, fmt.fp8_dim), jnp.float8_e4m3fn)
+    pieces = [fp8_bytes]
+    if fmt.scale_kind == ScaleKind.FP32:
+        scale_bytes = _to_bytes(scale, jnp.float32)
+    else:
+        scale_bytes = exponent.astype(jnp.uint8)
+    if fmt.layout == Layout.INLINE:
+        pieces.append(scale_bytes)
+    if fmt.bf16_dim:
+        pieces.append(_to_bytes(x[:, fmt.fp8_dim:], jnp.bfloat16))
+    data = jnp.concatenate(pieces, axis=-1)
+    if fmt.layout == Layout.INLINE:
+        return data, jnp.zeros((n, 0), jnp.uint8)
+    pad = fmt.scale_row_bytes - scale_bytes.shape[-1]
+    scales = jnp.pad(scale_bytes, ((0, 0), (0, pad)))
+    return data, scales
+
+
+def quantize_kv(kv, kv_format: Union[str, KVFormat], page_size: int = 64):
+    """Builds a whole cache from unquantized latent rows (SPEC §3), bit-exact and jittable.
+
+    Args:
+      kv: ``[num_tokens, d_qk]`` float32 or bfloat16 (nope lanes then rope lanes), finite.
+      kv_format: format key or :class:`KVFormat`.
+      page_size: tokens per page; ``num_tokens`` is padded with zero tokens to a whole page.
+    Returns:
+      uint8 ``[num_pages, page_size, bytes_per_token]``, or bfloat16 ``[num_pages, page_size, d_qk]``
+      for ``bf16_*`` formats. Footer pages hold the data rows then the scale rows.
+    """
+    fmt = get_format(kv_format)
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"page_size: expected an int >= 1, got {page_size!r}")
+    if kv.ndim != 2 or kv.shape[-1] != fmt.d_qk:
+        raise ValueError(f"kv: expected [num_tokens, {fmt.d_qk}] for format {fmt.key}, got {_shape_text(kv)}")
+    n = kv.shape[0]
+    num_pages = max(1, -(-n // page_size))
+    kv = jnp.pad(kv, ((0, num_pages * page_size - n), (0, 0)))
+    data, scales = encode_rows(kv, fmt)
+    if not fmt.quantized:
+        return data.reshape(num_pages, page_size, fmt.d_qk)
+    if fmt.layout == Layout.INLINE:
+        return data.reshape(num_pages, page_size, fmt.bytes_per_token)
+    page = jnp.concatenate([data.reshape(num_pages, -1), scales.reshape(num_pages, -1)], axis=-1)
+    return page.reshape(num_pages, page_size, fmt.bytes_per_token)
+
+
+def update_kv(cache, slots, kv, kv_format: Union[str, KVFormat], page_size: Optional[int] = None):
+    """Writes the quantized rows of ``kv`` at global ``slots`` (the per-step cache write).
+
+    Args:
+      cache: any cache form of SPEC §3 for ``kv_format``.
+      slots: int32 ``[n]`` global slots; negative or out-of-range slots are skipped.
+      kv: ``[n, d_qk]`` float32 or bfloat16.
+      page_size: required for the 2-D quantized form.
+    Returns:
+      The cache (same shape and dtype) with those rows replaced and every other byte unchanged.
+      Donate ``cache`` to ``jax.jit`` to update it in place.
+    """
+    fmt = get_format(kv_format)
+    layout = cache_layout(cache, fmt, page_size)
+    slots = jnp.asarray(slots)
+    if slots.dtype != jnp.int32:
+        raise TypeError(f"slots: expected int32 [n], got {_shape_text(slots)}")
+    if slots.ndim != 1 or kv.ndim != 2 or kv.shape[0] != slots.shape[0]:
+        raise ValueError(f"slots/kv: expected int32 [n] and [n, {fmt.d_qk}], got {_shape_text(slots)} and "
+                         f"{_shape_text(kv)}")
+    data, scales = encode_rows(kv, fmt)
+    pages = _as_pages(cache, layout)
+    valid = (slots >= 0) & (slots < layout.num_slots)
+    page = jnp.where(valid, slots // layout.page_size, layout.num_pages)  # out of range: dropped
+    row = slots % layout.page_size
+    if not fmt.quantized:
+        cols = row[:, None] * fmt.d_qk + jnp.arange(fmt.d_qk)[None, :]
+        pages = pages.at[page[:, None], cols].set(data, mode="drop")
+    else:
+        cols = row[:, None] * layout.row_stride + jnp.arange(data.shape[-1])[None, :]
+        pages = pages.at[page[:, None], cols].set(data, mode="drop")
+        if fmt.layout == Layout.FOOTER:
+            base = layout.page_size * layout.row_stride
+            cols = base + row[:, None] * fmt.scale_row_bytes + jnp.arange(fmt.scale_row_bytes)[None, :]
+            pages = pages.at[page[:, None], cols].set(scales, mode="drop")
+        if cache.dtype != jnp.uint8:
+            pages = jax.lax.bitcast_convert_type(pages, cache.dtype)
+    return pages.reshape(cache.shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------------
+
+def gather_rows(cache, layout: CacheLayout, kv_format: Union[str, KVFormat], slots):
+    """Gathers the raw bytes of ``slots`` (any shape, must be valid or will be clamped).
+
+    Returns ``(data, scales)``: uint8 ``[..., data_row_bytes]`` and ``[..., scale_row_bytes]`` (footer;
+    ``None`` otherwise). For ``bf16_*`` returns ``(bfloat16 [..., d_qk], None)``.
+    """
+    fmt = get_format(kv_format)
+    pages = _as_pages(cache, layout)
+    slots = jnp.clip(slots, 0, max(layout.num_slots - 1, 0))
+    page = slots // layout.page_size
+    row = slots % layout.page_size
+    if not fmt.quantized:
+        cols = row[..., None] * fmt.d_qk + jnp.arange(fmt.d_qk)
+        return pages[page[..., None], cols], None
+    cols = row[..., None] * layout.row_stride + jnp.arange(fmt.data_row_bytes)
+    data = pages[page[..., None], cols]
+    scales = None
+    if fmt.layout == Layout.FOOTER:
+        base = layout.page_size * layout.row_stride
+        cols = base + row[..., None] * fmt.scale_row_bytes + jnp.arange(fmt.scale_row_bytes)
+        scales = pages[page[..., None], cols]
+    return data, scales
+
+
+def decode_rows(data, scales, kv_format: Union[str, KVFormat]):
+    """Dequantizes gathered rows (see :func:`gather_rows`) to float32 ``[..., d_qk]``."""
+    fmt = get_format(kv_format)
+    if not fmt.quantized:
+        return data.astype(jnp.float32)
+    lead = data.shape[:-1]
+    fp8 = jax.lax.bitcast_convert_type(data[..., : fmt.fp8_dim], jnp.float8_e4m3fn).astype(jnp.float32)
+    source = data if fmt.layout == Layout.INLINE else scales
+    offset = fmt.scale_offset
+    raw = source[..., offset: offset + fmt.num_groups * fmt.scale_bytes]
+    if fmt.scale_kind == ScaleKind.FP32:
+        scale = jax.lax.bitcast_convert_type(raw.reshape(*lead, fmt.num_groups, 4), jnp.float32)
+    else:
+        exponent = raw.astype(jnp.uint32)
+        scale = jnp.where(exponent == 0,
+                          jnp.float32(2.0 ** -127),
+                          jax.lax.bitcast_convert_type(exponent << 23, jnp.float32))
+        scale = jnp.where(exponent == 255, jnp.float32(jnp.nan), scale)
+    k = (fp8.reshape(*lead, fmt.num_groups, fmt.group_size) * scale[..., None]).reshape(*lead, fmt.fp8_dim)
+    if fmt.bf16_dim:
+        raw16 = data[..., fmt.bf16_offset: fmt.bf16_offset + 2 * fmt.bf16_dim].reshape(*lead, fmt.bf16_dim, 2)
+        rope = jax.lax.bitcast_convert_type(raw16, jnp.bfloat16).astype(jnp.float32)
+        k = jnp.concatenate([k, rope], axis=-1)
+    return k
+
+
+def dequantize_kv(cache, kv_format: Union[str, KVFormat], page_size: Optional[int] = None):
+    """Dequantizes every slot of a cache.
+
+    Returns:
+      ``(k, v)``: float32 ``[num_slots, d_qk]`` and ``[num_slots, d_v]`` (``v = k[:, :d_v]``).
+    """
+    fmt = get_format(kv_format)
+    layout = cache_layout(cache, fmt, page_size)
+    slots = jnp.arange(layout.num_slots, dtype=jnp.int32)
+    k = decode_rows(*gather_rows(cache, layout, fmt, slots), fmt)
+    return k, k[:, : fmt.d_v]

@@ -1,0 +1,235 @@
+"""Trace-time validation of ``sparse_mla`` arguments (SPEC §5) and the supported-config envelope.
+
+Everything checkable from shapes and dtypes is checked here, before anything is lowered. Wrong dtypes
+raise ``TypeError``; every other violation raises ``ValueError``. Messages name the argument, what was
+expected and what was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Union
+
+import jax.numpy as jnp
+import numpy as np
+
+from .formats import FORMATS, CacheLayout, KVFormat, cache_layout, get_format
+
+__all__ = ["ENVELOPE", "IMPLS", "Problem", "normalize", "supported_configs", "check_supported"]
+
+#: Values of ``impl=``.
+IMPLS = ("auto", "decode", "prefill", "xla")
+
+#: The one envelope table used by validation, planning and ``supported_configs()``.
+ENVELOPE = {
+    "min_heads": 1,
+    "max_heads": 128,
+    "min_topk": 1,
+    "platforms": {
+        "cpu": {"variants": ("reference",), "archs": ()},
+        "cuda": {"variants": ("decode", "prefill"), "archs": ("sm_80", "sm_90a", "sm_120a")},
+    },
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Static description of one call after normalisation (shapes are of the flattened rows)."""
+
+    fmt: KVFormat
+    lead_shape: tuple  # (T,) or (B, S): leading axes of q
+    num_tokens: int  # flattened rows
+    num_heads: int
+    topk: int
+    extra_topk: int  # 0 without an extra cache
+    layout: CacheLayout
+    extra_layout: Optional[CacheLayout]
+    sm_scale: float
+    has_topk_length: bool
+    has_extra_topk_length: bool
+    has_sink: bool
+    impl: str
+
+
+def _describe(x) -> str:
+    if x is None:
+        return "None"
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return f"{type(x).__name__} {x!r}"
+    return f"{np.dtype(x.dtype).name} [{', '.join(str(d) for d in x.shape)}]"
+
+
+def _lead_text(lead) -> str:
+    return ", ".join(f"{n}={v}" for n, v in zip(("B", "S") if len(lead) == 2 else ("T",), lead))
+
+
+def _check_dtype(name, x, dtype, expected_text):
+    if np.dtype(x.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name}: expected {expected_text}, got {_describe(x)}")
+
+
+def _row_array(name, x, lead, allow_unit_axis):
+    """Checks an index-like array [*lead, k] (or [T, 1, k]); returns k."""
+    lead = tuple(lead)
+    forms = f"int32 [{', '.join(('B', 'S') if len(lead) == 2 else ('T',))}, topk]"
+    if allow_unit_axis and len(lead) == 1:
+        forms += " or [T, 1, topk]"
+    expected = f"{forms} with {_lead_text(lead)}"
+    _check_dtype(name, x, jnp.int32, expected)
+    shape = tuple(x.shape)
+    if shape[:-1] == lead and len(shape) == len(lead) + 1:
+        return shape[-1]
+    if allow_unit_axis and len(lead) == 1 and len(shape) == 3 and shape[0] == lead[0] and shape[1] == 1:
+        return shape[-1]
+    raise ValueError(f"{name}: expected {expected}, got {_describe(x)}")
+
+
+def _check_lengths(name, x, lead):
+    expected = f"int32 [{', '.join(('B', 'S') if len(lead) == 2 else ('T',))}] with {_lead_text(lead)}"
+    _check_dtype(name, x, jnp.int32, expected)
+    if tuple(x.shape) != tuple(lead):
+        raise ValueError(f"{name}: expected {expected}, got {_describe(x)}")
+
+
+def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk_length=None, attn_sink=None,
+              extra_kv_cache=None, extra_indices=None, extra_topk_length=None, extra_page_size=None,
+              valid_tokens=None, impl="auto") -> Problem:
+    """Validates every argument of :func:`jax_sparse_mla.sparse_mla` and returns the static :class:`Problem`."""
+    fmt = get_format(kv_format)
+    if not isinstance(impl, str):
+        raise TypeError(f"impl: expected one of {IMPLS}, got {type(impl).__name__}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"sm_scale: expected a Python float (static), got {_describe(sm_scale)}")
+    sm_scale = float(sm_scale)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: expected a finite float, got {sm_scale}")
+
+    for name, x in (("q", q), ("kv_cache", kv_cache), ("indices", indices)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name}: expected an array, got {_describe(x)}")
+    q_expected = f"bfloat16 [T, H, {fmt.d_qk}] or [B, S, H, {fmt.d_qk}] with 1 <= H <= {ENVELOPE['max_heads']} (format {fmt.key})"
+    _check_dtype("q", q, jnp.bfloat16, q_expected)
+    if q.ndim not in (3, 4) or q.shape[-1] != fmt.d_qk:
+        raise ValueError(f"q: expected {q_expected}, got {_describe(q)}")
+    num_heads = int(q.shape[-2])
+    if not ENVELOPE["min_heads"] <= num_heads <= ENVELOPE["max_heads"]:
+        raise ValueError(f"q: expected {q_expected}, got H={num_heads} in {_describe(q)}")
+    lead = tuple(int(d) for d in q.shape[:-2])
+    num_tokens = int(np.prod(lead))
+
+    topk = _row_array("indices", indices, lead, allow_unit_axis=True)
+    if topk < ENVELOPE["min_topk"]:
+        raise ValueError(f"indices: expected topk >= {ENVELOPE['min_topk']}, got {_describe(indices)}")
+    if topk_length is not None:
+        _check_lengths("topk_length", topk_length, lead)
+    if attn_sink is not None:
+        _check_dtype("attn_sink", attn_sink, jnp.float32, f"float32 [{num_heads}]")
+        if tuple(attn_sink.shape) != (num_heads,):
+            raise ValueError(f"attn_sink: expected float32 [{num_heads}] (one per head), got {_describe(attn_sink)}")
+    if valid_tokens is not None:
+        _check_dtype("valid_tokens", valid_tokens, jnp.int32, "int32 scalar or [1]")
+        if tuple(valid_tokens.shape) not in ((), (1,)):
+            raise ValueError(f"valid_tokens: expected int32 scalar or [1], got {_describe(valid_tokens)}")
+
+    layout = cache_layout(kv_cache, fmt, page_size, name="kv_cache")
+
+    extra_layout = None
+    extra_topk = 0
+    if (extra_kv_cache is None) != (extra_indices is None):
+        given = "extra_kv_cache" if extra_kv_cache is not None else "extra_indices"
+        raise ValueError(f"extra_kv_cache/extra_indices: expected both or neither, got only {given}")
+    if extra_kv_cache is None:
+        for name, value in (("extra_topk_length", extra_topk_length), ("extra_page_size", extra_page_size)):
+            if value is not None:
+                raise ValueError(f"{name}: given without extra_kv_cache/extra_indices")
+    else:
+        if not fmt.dual_cache:
+            dual = sorted(k for k, f in FORMATS.items() if f.dual_cache)
+            raise ValueError(f"extra_kv_cache: format {fmt.key} has no dual-cache form (formats with one: {dual})")
+        for name, x in (("extra_kv_cache", extra_kv_cache), ("extra_indices", extra_indices)):
+            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                raise TypeError(f"{name}: expected an array, got {_describe(x)}")
+        extra_topk = _row_array("extra_indices", extra_indices, lead, allow_unit_axis=True)
+        if extra_topk < ENVELOPE["min_topk"]:
+            raise ValueError(f"extra_indices: expected topk >= {ENVELOPE['min_topk']}, got {_describe(extra_indices)}")
+        if extra_topk_length is not None:
+            _check_lengths("extra_topk_length", extra_topk_length, lead)
+        extra_layout = cache_layout(extra_kv_cache, fmt, extra_page_size, name="extra_kv_cache")
+
+    return Problem(fmt=fmt, lead_shape=lead, num_tokens=num_tokens, num_heads=num_heads, topk=int(topk),
+                   extra_topk=int(extra_topk), layout=layout, extra_layout=extra_layout, sm_scale=sm_scale,
+                   has_topk_length=topk_length is not None, has_extra_topk_length=extra_topk_length is not None,
+                   has_sink=attn_sink is not None, impl=impl)
+
+
+def _page_rules(fmt: KVFormat) -> str:
+    if not fmt.quantized:
+        return "any page_size >= 1; [num_slots, d_qk] or [num_pages, page_size, d_qk] bfloat16"
+    if fmt.layout.name == "FOOTER":
+        multiple = 16 // math.gcd(fmt.bytes_per_token, 16)
+        return (f"any page_size >= 1; 3-D/4-D form needs page_size % {multiple} == 0 "
+                f"(page_size*{fmt.bytes_per_token} % 16 == 0); "
+                f"2-D [num_pages, page_bytes] form with page_bytes >= page_size*{fmt.bytes_per_token}, % 16 == 0")
+    return (f"any page_size >= 1; rows of >= {fmt.bytes_per_token} bytes, % 16 == 0 (padding ignored); "
+            f"2-D [num_pages, page_bytes] form with page_bytes >= page_size*{fmt.bytes_per_token}, % 16 == 0")
+
+
+def supported_configs() -> dict[str, dict[str, Any]]:
+    """Per format key: its envelope as plain Python data (usable without a GPU)."""
+    configs = {}
+    for key, fmt in FORMATS.items():
+        configs[key] = {
+            "d_qk": fmt.d_qk,
+            "d_v": fmt.d_v,
+            "bytes_per_token": fmt.bytes_per_token,
+            "dtype": "uint8" if fmt.quantized else "bfloat16",
+            "heads": (ENVELOPE["min_heads"], ENVELOPE["max_heads"]),
+            "min_topk": ENVELOPE["min_topk"],
+            "window": fmt.max_candidates or None,
+            "page_size_rules": _page_rules(fmt),
+            "dual_cache": fmt.dual_cache,
+            "platforms": {
+                "cpu": {"variants": list(ENVELOPE["platforms"]["cpu"]["variants"])},
+                "cuda": {"variants": list(ENVELOPE["platforms"]["cuda"]["variants"]),
+                         "archs": list(ENVELOPE["platforms"]["cuda"]["archs"])},
+                "xla": {"variants": ["reference"]},
+            },
+        }
+    return configs
+
+
+def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int] = None, topk: Optional[int] = None,
+                    page_size: Optional[int] = None, platform: Optional[str] = None, impl: str = "auto",
+                    dual_cache: bool = False) -> None:
+    """Raises ``ValueError`` naming every violated axis (and its allowed values) of a configuration.
+
+    Args:
+      kv_format: format key or object. num_heads / topk / page_size: per-shard values to check.
+      platform: "cpu" or "cuda" (None: any). impl: an ``impl=`` value. dual_cache: an extra cache is used.
+    """
+    problems = []
+    try:
+        fmt = get_format(kv_format)
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    lo, hi = ENVELOPE["min_heads"], ENVELOPE["max_heads"]
+    if num_heads is not None and not lo <= num_heads <= hi:
+        problems.append(f"num_heads={num_heads} (allowed {lo}..{hi})")
+    if topk is not None and topk < ENVELOPE["min_topk"]:
+        problems.append(f"topk={topk} (allowed >= {ENVELOPE['min_topk']})")
+    if page_size is not None and page_size < 1:
+        problems.append(f"page_size={page_size} (allowed >= 1)")
+    if platform is not None and platform not in ENVELOPE["platforms"]:
+        problems.append(f"platform={platform!r} (allowed {sorted(ENVELOPE['platforms'])})")
+    if impl not in IMPLS:
+        problems.append(f"impl={impl!r} (allowed {IMPLS})")
+    elif impl in ("decode", "prefill") and platform == "cpu":
+        problems.append(f"impl={impl!r} on platform 'cpu' (the CPU runs 'auto' or 'xla')")
+    if dual_cache and not fmt.dual_cache:
+        dual = sorted(k for k, f in FORMATS.items() if f.dual_cache)
+        problems.append(f"dual_cache for {fmt.key} (allowed for {dual})")
+    if problems:
+        raise ValueError(f"unsupported configuration for format {fmt.key}: " + "; ".join(problems))

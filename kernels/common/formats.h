@@ -1,0 +1,98 @@
+// KV-cache format traits: the byte layout of every supported format, usable on the host and on the
+// device. jax_sparse_mla/formats.py mirrors this table; tests/test_formats.py checks they agree.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define JSMLA_HD __host__ __device__ __forceinline__
+#else
+#define JSMLA_HD inline
+#endif
+
+namespace jsmla {
+
+// Numbering is part of the FFI attribute contract (attribute `kv_format`): append, never renumber.
+enum class FormatId : int32_t {
+  kDsv32 = 0,
+  kGlmNsa = 1,
+  kGlm53Nope = 2,
+  kDsv4 = 3,
+  kDsv41 = 4,
+  kDots3Swa = 5,
+  kBf16_576 = 6,
+  kBf16_512 = 7,
+};
+inline constexpr int kNumFormats = 8;
+
+enum class Layout : int32_t {
+  kInline = 0,  // each token row holds fp8 values, scales and bf16 lanes
+  kFooter = 1,  // a page stores all data rows, then all scale rows
+  kBf16 = 2,    // unquantized bfloat16 rows
+};
+
+enum class ScaleKind : int32_t {
+  kNone = 0,
+  kFp32 = 1,   // little-endian float32 per group
+  kUe8m0 = 2,  // one exponent byte per group: 2^(b-127)
+};
+
+struct FormatTraits {
+  FormatId id;
+  Layout layout;
+  ScaleKind scale_kind;
+  int32_t d_qk;              // query/key width
+  int32_t d_v;               // value/output width: V is the first d_v lanes of K
+  int32_t bytes_per_token;   // nominal payload per token (data + scales)
+  int32_t fp8_dim;           // leading K lanes stored as FP8
+  int32_t bf16_dim;          // trailing K lanes stored as BF16 (rope, or the whole bf16 row)
+  int32_t group_size;        // FP8 lanes per scale
+  int32_t num_groups;        // fp8_dim / group_size
+  int32_t data_row_bytes;    // inline: the whole row payload; footer: the data row; bf16: 2*d_qk
+  int32_t scale_offset;      // inline: byte offset of the scales in the row; footer: 0 (scale row)
+  int32_t scale_row_bytes;   // footer: bytes of one scale row (with padding); otherwise 0
+  int32_t bf16_offset;       // byte offset of the bf16 lanes in the (data) row
+  int32_t max_candidates;    // candidates past this position of an index row are ignored; 0 = none
+  bool pow2_scales;          // quantize_kv produces power-of-two scales
+  bool dual_cache;           // an extra cache may join the softmax
+
+  constexpr int32_t scale_bytes() const {
+    return scale_kind == ScaleKind::kFp32 ? 4 : (scale_kind == ScaleKind::kUe8m0 ? 1 : 0);
+  }
+};
+
+// clang-format off
+inline constexpr FormatTraits kFormatTable[kNumFormats] = {
+  //  id                   layout            scale               dqk   dv   bpt  fp8  bf16 grp ng  data  soff srow b16off maxc  pow2   dual
+  {FormatId::kDsv32,     Layout::kInline, ScaleKind::kFp32,  576,  512, 656,  512, 64,  128, 4,  656,  512, 0,  528,   0,   true,  false},
+  {FormatId::kGlmNsa,    Layout::kInline, ScaleKind::kFp32,  576,  512, 656,  512, 64,  128, 4,  656,  512, 0,  528,   0,   false, false},
+  {FormatId::kGlm53Nope, Layout::kInline, ScaleKind::kFp32,  512,  512, 528,  512, 0,   128, 4,  528,  512, 0,  528,   0,   false, false},
+  {FormatId::kDsv4,      Layout::kFooter, ScaleKind::kUe8m0, 512,  512, 584,  448, 64,  64,  7,  576,  0,   8,  448,   0,   true,  true},
+  {FormatId::kDsv41,     Layout::kFooter, ScaleKind::kUe8m0, 512,  512, 528,  512, 0,   32,  16, 512,  0,   16, 512,   0,   true,  true},
+  {FormatId::kDots3Swa,  Layout::kFooter, ScaleKind::kUe8m0, 1088, 1024, 1160, 1024, 64, 128, 8,  1152, 0,   8,  1024,  513, true,  false},
+  {FormatId::kBf16_576,  Layout::kBf16,   ScaleKind::kNone,  576,  512, 1152, 0,   576, 0,   0,  1152, 0,   0,  0,     0,   false, false},
+  {FormatId::kBf16_512,  Layout::kBf16,   ScaleKind::kNone,  512,  512, 1024, 0,   512, 0,   0,  1024, 0,   0,  0,     0,   false, false},
+};
+// clang-format on
+
+constexpr const FormatTraits& format_traits(FormatId id) { return kFormatTable[static_cast<int>(id)]; }
+
+constexpr bool consistent(const FormatTraits& f) {
+  return f.fp8_dim + f.bf16_dim == f.d_qk && f.d_v <= f.d_qk &&
+         (f.group_size == 0 ? f.num_groups == 0 : f.num_groups * f.group_size == f.fp8_dim) &&
+         (f.layout == Layout::kFooter
+              ? f.data_row_bytes + f.scale_row_bytes == f.bytes_per_token &&
+                    f.num_groups * f.scale_bytes() <= f.scale_row_bytes
+              : f.data_row_bytes == f.bytes_per_token) &&
+         f.bf16_offset + 2 * f.bf16_dim <= f.data_row_bytes &&
+         (f.layout != Layout::kInline || f.scale_offset + f.num_groups * f.scale_bytes() <= f.data_row_bytes);
+}
+
+static_assert(consistent(kFormatTable[0]) && consistent(kFormatTable[1]) && consistent(kFormatTable[2]) &&
+                  consistent(kFormatTable[3]) && consistent(kFormatTable[4]) && consistent(kFormatTable[5]) &&
+                  consistent(kFormatTable[6]) && consistent(kFormatTable[7]),
+              "format table entries must be self-consistent");
+static_assert(static_cast<int>(kFormatTable[5].id) == 5 && static_cast<int>(kFormatTable[7].id) == 7,
+              "kFormatTable is indexed by FormatId");
+
+}  // namespace jsmla

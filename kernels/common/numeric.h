@@ -1,0 +1,78 @@
+// Scalar conversions shared by the CPU kernel and simple device code paths.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "formats.h"
+
+namespace jsmla {
+
+JSMLA_HD float bits_to_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+JSMLA_HD uint32_t float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return bits;
+#endif
+}
+
+JSMLA_HD float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
+
+// Round-to-nearest-even; NaN stays NaN.
+JSMLA_HD uint16_t float_to_bf16(float f) {
+  const uint32_t bits = float_to_bits(f);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  const uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities; 0x7f/0xff are NaN.
+JSMLA_HD float fp8_e4m3_to_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t exponent = (b >> 3) & 0xfu;
+  const uint32_t mantissa = b & 0x7u;
+  if (exponent == 0xfu && mantissa == 0x7u) return bits_to_float(sign | 0x7fc00000u);
+  if (exponent == 0) {
+    // Subnormal: mantissa/8 * 2^-6, exact in float.
+    const float magnitude = static_cast<float>(mantissa) * 0.001953125f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_to_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
+}
+
+// UE8M0: 2^(b-127); 255 is NaN.
+JSMLA_HD float ue8m0_to_float(uint8_t b) {
+  if (b == 0xffu) return bits_to_float(0x7fc00000u);
+  if (b == 0) return bits_to_float(0x00400000u);  // 2^-127 (subnormal)
+  return bits_to_float(static_cast<uint32_t>(b) << 23);
+}
+
+JSMLA_HD float load_fp32_le(const uint8_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+                        (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
+  return bits_to_float(bits);
+}
+
+JSMLA_HD uint16_t load_u16_le(const uint8_t* p) {
+  return static_cast<uint16_t>(p[0] | (static_cast<uint16_t>(p[1]) << 8));
+}
+
+// Scale of group g of a row whose scales start at `scales`.
+JSMLA_HD float group_scale(const FormatTraits& f, const uint8_t* scales, int g) {
+  return f.scale_kind == ScaleKind::kFp32 ? load_fp32_le(scales + 4 * g) : ue8m0_to_float(scales[g]);
+}
+
+}  // namespace jsmla
