@@ -6,6 +6,7 @@ The CPU extension is always built. The CUDA extension is optional: when it is mi
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Optional
 
 import jax
@@ -21,12 +22,18 @@ TARGET = "jax_sparse_mla_fwd_v1"
 for _name, _capsule in _cpu_ext.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
-try:
-    from . import _cuda_ext  # noqa: F401
-except ImportError as _error:  # built without CUDA, or the CUDA runtime cannot load
+_CUDA_IMPORT_ERROR: Optional[ImportError] = None
+if importlib.util.find_spec(f"{__package__}._cuda_ext") is None:
     _cuda_ext = None
-    _CUDA_IMPORT_ERROR: Optional[ImportError] = _error
+    _CUDA_IMPORT_ERROR = ImportError("jax_sparse_mla was built without its CUDA extension "
+                                     "(rebuild with JSMLA_CUDA=ON where nvcc is available)")
 else:
+    try:
+        from . import _cuda_ext  # noqa: F401
+    except ImportError as _error:  # the extension exists but cannot load (e.g. no CUDA driver)
+        _cuda_ext = None
+        _CUDA_IMPORT_ERROR = _error
+if _cuda_ext is not None:
     _CUDA_IMPORT_ERROR = None
     for _name, _capsule in _cuda_ext.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")

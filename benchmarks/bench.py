@@ -1,0 +1,258 @@
+"""Benchmark harness (PERF.md method): device time per call, TFLOP/s, gathered GB/s, and the speed-up
+over a frozen pure-JAX gather + einsum baseline measured in the same run.
+
+    python benchmarks/bench.py --out_dir benchmarks/results            # the full grid (GPU)
+    python benchmarks/bench.py --grid smoke                            # a few shapes
+
+Method: one jitted function runs the op over ``--steps`` stacked index sets with ``lax.scan`` (every
+output is consumed), whole calls are timed with ``block_until_ready`` and divided by the step count;
+the median of ``--repeats`` timed calls after a warm-up is reported. The cache is several times the
+L2 (>= 170 MB) and every step uses a different random index set. Before timing, each case's output is
+checked against the pure-JAX reference (``impl="xla"``) with the SPEC §4 accuracy contract.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags, logging
+
+flags.DEFINE_enum("grid", "full", ["full", "smoke"], "Which shapes to run.")
+flags.DEFINE_list("formats", ["dsv3_2", "dsv4"], "Formats of the decode grid.")
+flags.DEFINE_integer("steps", 8, "Index sets per timed call (lax.scan length).")
+flags.DEFINE_integer("repeats", 10, "Timed calls per case; the median is reported.")
+flags.DEFINE_integer("pool_bytes", 192 * 1024 * 1024, "Cache size in bytes (>= 170 MB).")
+flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"), "Where results go.")
+flags.DEFINE_string("tag", "", "Suffix of the result file names.")
+FLAGS = flags.FLAGS
+
+TOPK = 2048
+
+
+def decode_grid(grid):
+    if grid == "smoke":
+        return [(1, 128), (128, 128), (64, 16)]
+    return [(t, h) for h in (16, 64, 128) for t in (1, 16, 64, 128, 1024)]
+
+
+def prefill_grid(grid):
+    return [(1024, 128)] if grid == "smoke" else [(1024, 128), (4096, 128)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The frozen baseline: plain gather + dequantize + einsum in JAX, bf16 compute. Kept here, unchanged,
+# so speed-ups stay comparable across versions of the library (impl="xla" may change).
+# ------------------------------------------------------------------------------------------------
+
+def baseline_attention(q, cache_rows, indices, sm_scale, kv_format):
+    """q [T,H,d] bf16; cache_rows uint8 [num_slots, 656] (dsv3_2) or a footer cache; indices [T,K]."""
+    import jax
+    import jax.numpy as jnp
+
+    if kv_format == "dsv3_2":
+        rows = cache_rows[jnp.maximum(indices, 0)]
+        nope = jax.lax.bitcast_convert_type(rows[..., :512], jnp.float8_e4m3fn).astype(jnp.float32)
+        scales = jax.lax.bitcast_convert_type(rows[..., 512:528].reshape(*rows.shape[:-1], 4, 4), jnp.float32)
+        nope = (nope.reshape(*rows.shape[:-1], 4, 128) * scales[..., None]).reshape(*rows.shape[:-1], 512)
+        rope = jax.lax.bitcast_convert_type(rows[..., 528:656].reshape(*rows.shape[:-1], 64, 2), jnp.bfloat16)
+        k = jnp.concatenate([nope.astype(jnp.bfloat16), rope], axis=-1)
+        v = k[..., :512]
+    elif kv_format == "dsv4":
+        data, scale_rows = cache_rows  # [num_slots, 576], [num_slots, 8]
+        idx = jnp.maximum(indices, 0)
+        rows, srows = data[idx], scale_rows[idx]
+        nope = jax.lax.bitcast_convert_type(rows[..., :448], jnp.float8_e4m3fn).astype(jnp.float32)
+        scales = jax.lax.bitcast_convert_type(srows[..., :7].astype(jnp.uint32) << 23, jnp.float32)
+        nope = (nope.reshape(*rows.shape[:-1], 7, 64) * scales[..., None]).reshape(*rows.shape[:-1], 448)
+        rope = jax.lax.bitcast_convert_type(rows[..., 448:576].reshape(*rows.shape[:-1], 64, 2), jnp.bfloat16)
+        k = jnp.concatenate([nope.astype(jnp.bfloat16), rope], axis=-1)
+        v = k
+    else:
+        raise ValueError(f"no baseline for {kv_format}")
+    scores = jnp.einsum("thd,tkd->thk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.where((indices >= 0)[:, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("thk,tkd->thd", probs.astype(jnp.bfloat16), v, preferred_element_type=jnp.float32)
+
+
+def baseline_view(cache, kv_format, page_size):
+    """The baseline's own view of the cache bytes."""
+    if kv_format == "dsv3_2":
+        return cache.reshape(-1, 656)
+    pages = cache.reshape(cache.shape[0], -1)
+    data = pages[:, : page_size * 576].reshape(-1, 576)
+    scales = pages[:, page_size * 576:].reshape(-1, 8)
+    return data, scales
+
+
+# ------------------------------------------------------------------------------------------------
+
+def timed_scan(body, carry_like, xs, repeats):
+    """Median seconds per step of ``body`` scanned over ``xs`` (leading axis = steps)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def run(xs):
+        def step(carry, x):
+            return carry + body(x), None
+
+        total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), xs)
+        return total
+
+    jax.block_until_ready(run(xs))
+    jax.block_until_ready(run(xs))
+    steps = jax.tree_util.tree_leaves(xs)[0].shape[0]
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run(xs))
+        samples.append((time.perf_counter() - start) / steps)
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def accuracy(out, lse, ref_out, ref_lse):
+    import jax.numpy as jnp
+
+    out = out.astype(jnp.float32)
+    ref = ref_out.astype(jnp.float32)
+    err = float(jnp.max(jnp.abs(out - ref)))
+    scale = max(1.0, float(jnp.max(jnp.abs(ref))))
+    rel_l2 = float(jnp.linalg.norm(out - ref) / max(float(jnp.linalg.norm(ref)), 1e-30))
+    lse_err = float(jnp.max(jnp.abs(lse - ref_lse)))
+    ok = err <= 2e-2 * scale and rel_l2 <= 1e-2 and lse_err <= 1e-3 and bool(jnp.all(jnp.isfinite(out)))
+    return ok, err, rel_l2, lse_err
+
+
+def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, impl, rng, with_baseline):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    fmt = jsm.get_format(kv_format)
+    sm_scale = fmt.d_qk ** -0.5
+    steps = FLAGS.steps
+    q = jnp.asarray(rng.standard_normal((tokens, heads, fmt.d_qk)), jnp.bfloat16)
+    indices = jnp.asarray(rng.integers(0, num_slots, (steps, tokens, TOPK)), jnp.int32)
+
+    def op(idx):
+        return jsm.sparse_mla(q, cache, idx, kv_format=fmt, sm_scale=sm_scale, impl=impl)
+
+    check_rows = min(tokens, 64)
+    out, lse = jax.jit(op)(indices[0])
+    ref_out, ref_lse = jax.jit(lambda i: jsm.sparse_mla(q[:check_rows], cache, i[:check_rows], kv_format=fmt,
+                                                         sm_scale=sm_scale, impl="xla"))(indices[0])
+    ok, err, rel_l2, lse_err = accuracy(out[:check_rows], lse[:check_rows], ref_out, ref_lse)
+
+    seconds, fastest, slowest = timed_scan(lambda idx: jnp.sum(op(idx)[0].astype(jnp.float32)), None, indices,
+                                           FLAGS.repeats)
+    base_seconds = None
+    if with_baseline:
+        base_seconds, _, _ = timed_scan(
+            lambda idx: jnp.sum(baseline_attention(q, view, idx, sm_scale, kv_format)), None, indices,
+            max(3, FLAGS.repeats // 2))
+    flops = 2.0 * tokens * heads * TOPK * (fmt.d_qk + fmt.d_v)
+    gathered = tokens * TOPK * fmt.bytes_per_token
+    plan = jsm.plan(q.shape, fmt, TOPK, platform="cuda" if jax.default_backend() == "gpu" else "cpu", impl=impl)
+    return {
+        "format": kv_format, "T": tokens, "H": heads, "topk": TOPK, "impl": impl, "variant": plan.variant,
+        "num_splits": plan.num_splits, "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6,
+        "tflops": flops / seconds / 1e12, "gbps": gathered / seconds / 1e9,
+        "baseline_us": None if base_seconds is None else base_seconds * 1e6,
+        "speedup": None if base_seconds is None else base_seconds / seconds,
+        "check": "ok" if ok else "FAIL", "max_err": err, "rel_l2": rel_l2, "lse_err": lse_err,
+    }
+
+
+def write_results(rows, device):
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    suffix = f"_{FLAGS.tag}" if FLAGS.tag else ""
+    with open(os.path.join(FLAGS.out_dir, f"bench{suffix}.json"), "w") as f:
+        json.dump({"device": device, "steps": FLAGS.steps, "repeats": FLAGS.repeats,
+                   "pool_bytes": FLAGS.pool_bytes, "rows": rows}, f, indent=1)
+    lines = [f"Device: {device}. Median device time per call (lax.scan over {FLAGS.steps} index sets, "
+             f"{FLAGS.repeats} calls), topk={TOPK}, cache {FLAGS.pool_bytes / 1e6:.0f} MB, random indices.", "",
+             "| format | kernel | T | H | µs | TFLOP/s | GB/s | baseline µs | speed-up | check |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = "—" if r["baseline_us"] is None else f"{r['baseline_us']:.1f}"
+        speed = "—" if r["speedup"] is None else f"{r['speedup']:.2f}×"
+        kernel = r["variant"] + (f" ({r['num_splits']} splits)" if r["variant"] == "decode" else "")
+        lines.append(f"| {r['format']} | {kernel} | {r['T']} | {r['H']} | {r['us']:.1f} | {r['tflops']:.0f} | "
+                     f"{r['gbps']:.0f} | {base} | {speed} | {r['check']} |")
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(FLAGS.out_dir, f"bench{suffix}.md"), "w") as f:
+        f.write(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.warning("matplotlib missing: no plot")
+        return table
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for kv_format in sorted({r["format"] for r in rows}):
+        for heads in sorted({r["H"] for r in rows if r["format"] == kv_format}):
+            sel = [r for r in rows if r["format"] == kv_format and r["H"] == heads and r["impl"] == "auto"]
+            if len(sel) < 2:
+                continue
+            xs = [r["T"] for r in sel]
+            axes[0].plot(xs, [r["tflops"] for r in sel], marker="o", label=f"{kv_format} H={heads}")
+            axes[1].plot(xs, [r["speedup"] or 0 for r in sel], marker="o", label=f"{kv_format} H={heads}")
+    for ax, title in zip(axes, ("TFLOP/s", "speed-up over pure-JAX baseline")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"jax_sparse_mla sparse MLA, topk={TOPK}, {device}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(FLAGS.out_dir, f"bench{suffix}.png"), dpi=110)
+    return table
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax_sparse_mla as jsm
+
+    device = jax.devices()[0].device_kind
+    rng = np.random.default_rng(0)
+    page_size = 64
+    rows = []
+    caches = {}
+    for kv_format in sorted(set(FLAGS.formats) | {"dsv3_2"}):
+        fmt = jsm.get_format(kv_format)
+        pages = -(-FLAGS.pool_bytes // (page_size * fmt.bytes_per_token))
+        key = jax.random.PRNGKey(len(caches))
+        kv = jax.random.normal(key, (pages * page_size, fmt.d_qk), jnp.float32)
+        cache = jax.jit(lambda x, f=fmt: jsm.quantize_kv(x, f, page_size=page_size))(kv)
+        del kv
+        caches[kv_format] = (cache, baseline_view(cache, kv_format, page_size), pages * page_size)
+    for kv_format in FLAGS.formats:
+        cache, view, num_slots = caches[kv_format]
+        for tokens, heads in decode_grid(FLAGS.grid):
+            rows.append(run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, "auto", rng, True))
+            print(json.dumps(rows[-1]), flush=True)
+    cache, view, num_slots = caches["dsv3_2"]
+    prefill_impl = "prefill" if jsm.cuda_available() else "auto"
+    for tokens, heads in prefill_grid(FLAGS.grid):
+        rows.append(run_case(jsm, cache, view, "dsv3_2", page_size, num_slots, tokens, heads, prefill_impl, rng,
+                             tokens <= 1024))
+        print(json.dumps(rows[-1]), flush=True)
+    print(write_results(rows, device))
+    return 0 if all(r["check"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One GPU session in one command: build the CUDA extension, run a test tier, optionally benchmark.
+#
+#   bash benchmarks/gpu_session.sh smoke          # build + GPU smoke tier + smoke benchmark
+#   bash benchmarks/gpu_session.sh full           # build + full GPU matrix
+#   bash benchmarks/gpu_session.sh sanitize       # build + compute-sanitizer memcheck on a subset
+#   bash benchmarks/gpu_session.sh bench          # build + GPU smoke tier + the full benchmark grid
+#
+# Logs and results go to $OUT (default /tmp/jsmla_out); a short table is printed last.
+set -uo pipefail
+mode=${1:-smoke}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/jsmla_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+archs=${JSMLA_SESSION_ARCHS:-90a-real}
+
+start=$(date +%s)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"
+if ! JSMLA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps -v \
+    "$repo" -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$archs" > "$out/build.log" 2>&1; then
+  tail -60 "$out/build.log"
+  echo "BUILD FAILED"
+  exit 1
+fi
+echo "build: $(( $(date +%s) - start )) s"
+grep -E "registers|spill|smem" "$out/build.log" | sort -u | head -40 > "$out/ptxas.txt" || true
+
+cd /tmp  # import the installed package, not the source tree
+python3 -c "import jax, jax_sparse_mla as j; print('jax', jax.__version__, jax.devices(), 'cuda ext:', j.cuda_available())"
+
+status=0
+run_tests() {
+  python3 -m pytest -q -rs -p no:cacheprovider "$@" "$repo/tests" 2>&1 | tee -a "$out/tests.log" | tail -25
+  return "${PIPESTATUS[0]}"
+}
+case "$mode" in
+  smoke)
+    run_tests -m "gpu and not gpu_full" || status=1
+    python3 "$repo/benchmarks/bench.py" --grid smoke --out_dir "$out" --tag smoke > "$out/bench_smoke.log" 2>&1 || status=1
+    tail -12 "$out/bench_smoke.log"
+    ;;
+  full)
+    run_tests -m "gpu or gpu_full" || status=1
+    ;;
+  sanitize)
+    export JSMLA_SANITIZE=1
+    compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --target-processes all \
+      python3 -m pytest -q -p no:cacheprovider -m gpu -k "sanitize" "$repo/tests" > "$out/sanitizer.log" 2>&1
+    status=$?
+    grep -E "ERROR SUMMARY|passed|failed" "$out/sanitizer.log" | tail -5
+    ;;
+  bench)
+    run_tests -m "gpu and not gpu_full" || status=1
+    python3 "$repo/benchmarks/bench.py" --grid full --out_dir "$out" > "$out/bench.log" 2>&1 || status=1
+    tail -40 "$out/bench.log"
+    ;;
+  *)
+    echo "unknown mode $mode"; exit 2 ;;
+esac
+echo "session $mode: status $status, $(( $(date +%s) - start )) s"
+exit $status
