@@ -6,13 +6,17 @@ Public API:
   FORMATS, KVFormat, get_format               the format registry (formats.py)
   plan, Plan, DeviceInfo                      trace-time planning (planner.py)
   supported_configs, check_supported          the supported envelope (validate.py)
+  sharded_sparse_mla, sparse_mla_specs        jax.shard_map helpers: operands stay local (sharding.py)
+  disabled_checks                             jax.export support for the FFI targets (export.py)
   cuda_available                              whether the CUDA kernels are built
 """
 
 from ._ffi import cuda_available
 from .api import merge_attention_states, sparse_mla
+from .export import disabled_checks
 from .formats import FORMATS, KVFormat, dequantize_kv, get_format, quantize_kv, update_kv
 from .planner import DeviceInfo, Plan, plan
+from .sharding import SparseMLASpecs, sharded_sparse_mla, sparse_mla_specs
 from .validate import check_supported, supported_configs
 
 __version__ = "0.1.0"
@@ -31,5 +35,9 @@ __all__ = [
     "DeviceInfo",
     "supported_configs",
     "check_supported",
+    "sharded_sparse_mla",
+    "sparse_mla_specs",
+    "SparseMLASpecs",
+    "disabled_checks",
     "cuda_available",
 ]

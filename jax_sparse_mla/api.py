@@ -172,12 +172,12 @@ def _lower(problem, arrays):
             raise ValueError(f"impl: {problem.impl!r} needs the CUDA extension, which is not available "
                              f"({_ffi.cuda_import_error()}); use impl='auto' or 'xla'")
         return lower_for("cuda")(*operands)
-    if _ffi.cuda_available():
-        return jax.lax.platform_dependent(*operands, cpu=lower_for("cpu"), cuda=lower_for("cuda"))
-    if jax.default_backend() == "gpu":
+    if jax.default_backend() == "gpu" and not _ffi.cuda_available():
         raise ValueError("impl: 'auto' on a GPU backend needs the CUDA extension, which is not available "
                          f"({_ffi.cuda_import_error()}); rebuild with JSMLA_CUDA=ON or pass impl='xla'")
-    return lower_for("cpu")(*operands)
+    # Both platforms are planned; only the branch of the platform being lowered for is emitted, so a
+    # program exported for CUDA from a CPU host carries the CUDA plan.
+    return jax.lax.platform_dependent(*operands, cpu=lower_for("cpu"), cuda=lower_for("cuda"))
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
