@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 
 from absl import app, flags, logging
@@ -223,7 +222,6 @@ def main(argv):
     import jax.numpy as jnp
     import numpy as np
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax_sparse_mla as jsm
 
     device = jax.devices()[0].device_kind

@@ -7,6 +7,26 @@ set(JSMLA_CPU_MODULE_SOURCES
   ffi/cpu_module.cc
 )
 set(JSMLA_CUDA_SOURCES
+  kernels/cuda/combine.cu
+  kernels/cuda/portable/registry.cu
+  kernels/cuda/portable/instances/bf16_512_h16.cu
+  kernels/cuda/portable/instances/bf16_512_h64.cu
+  kernels/cuda/portable/instances/bf16_576_h16.cu
+  kernels/cuda/portable/instances/bf16_576_h64.cu
+  kernels/cuda/portable/instances/dots3_swa_h16.cu
+  kernels/cuda/portable/instances/dots3_swa_h32.cu
+  kernels/cuda/portable/instances/dsv3_2_h16.cu
+  kernels/cuda/portable/instances/dsv3_2_h64.cu
+  kernels/cuda/portable/instances/dsv4_1_h16.cu
+  kernels/cuda/portable/instances/dsv4_1_h64.cu
+  kernels/cuda/portable/instances/dsv4_h16.cu
+  kernels/cuda/portable/instances/dsv4_h64.cu
+  kernels/cuda/portable/instances/glm53_nope_h16.cu
+  kernels/cuda/portable/instances/glm53_nope_h64.cu
+  kernels/cuda/portable/instances/glm_nsa_h16.cu
+  kernels/cuda/portable/instances/glm_nsa_h64.cu
+  ffi/cuda_handlers.cu
 )
 set(JSMLA_CUDA_MODULE_SOURCES
+  ffi/cuda_module.cc
 )

@@ -59,6 +59,13 @@ def cuda_kernel_configs() -> Optional[dict]:
     return None if _cuda_ext is None else _cuda_ext.kernel_configs()
 
 
+def cuda_handler_invocations() -> int:
+    """How many times the CUDA handler ran on the host (command-buffer replays do not run it)."""
+    if _cuda_ext is None:
+        raise RuntimeError(f"the CUDA extension is not available: {_CUDA_IMPORT_ERROR}")
+    return _cuda_ext.handler_invocations()
+
+
 def _geometry(prefix: str, layout: Optional[CacheLayout]) -> dict:
     if layout is None:
         return {f"{prefix}page_size": np.int64(1), f"{prefix}num_pages": np.int64(0),

@@ -22,7 +22,7 @@ _OPERANDS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_c
 def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scale: float,
                page_size: Optional[int] = None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                extra_indices=None, extra_topk_length=None, extra_page_size: Optional[int] = None,
-               valid_tokens=None, impl: str = "auto"):
+               valid_tokens=None, impl: str = "auto", batch_invariant: bool = False):
     """Token-sparse MLA attention over a paged (FP8) KV cache (SPEC §4).
 
     Each query row ``t`` attends to the cache slots listed in ``indices[t]``; invalid candidates
@@ -45,6 +45,8 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       valid_tokens: int32 scalar or ``[1]``: rows ``t >= valid_tokens`` (of the flattened rows) are padding:
         ``out = 0``, ``lse = -inf``, skipped on the device.
       impl: ``"auto"`` (planner), ``"decode"``/``"prefill"`` (force a CUDA variant) or ``"xla"`` (pure JAX).
+      batch_invariant: pin the candidate chunking and combine order so a row's output does not depend
+        on T (the batch it is in); see :func:`jax_sparse_mla.plan`.
 
     Returns:
       ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
@@ -59,7 +61,8 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
     problem = validate.normalize(
         q, kv_cache, indices, kv_format=kv_format, sm_scale=sm_scale, page_size=page_size,
         topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
-        extra_topk_length=extra_topk_length, extra_page_size=extra_page_size, valid_tokens=valid_tokens, impl=impl)
+        extra_topk_length=extra_topk_length, extra_page_size=extra_page_size, valid_tokens=valid_tokens, impl=impl,
+        batch_invariant=batch_invariant)
     lead, t, h = problem.lead_shape, problem.num_tokens, problem.num_heads
     d_v = problem.fmt.d_v
     if t == 0:
@@ -104,6 +107,7 @@ def _batching_rule_op(problem):
 
     @op.def_vmap
     def _fold_batch(axis_size, in_batched, arrays):
+        (in_batched,) = in_batched  # one entry per positional argument of op
         for name in ("kv_cache", "extra_kv_cache"):
             if in_batched.get(name):
                 raise ValueError(f"{name}: a cache batched under jax.vmap is not supported (caches are shared, "
@@ -164,7 +168,8 @@ def _lower(problem, arrays):
 
     def lower_for(platform):
         plan = planner.plan((problem.num_tokens, problem.num_heads, problem.fmt.d_qk), problem.fmt, problem.topk,
-                            extra_topk=problem.extra_topk, platform=platform, impl=problem.impl)
+                            extra_topk=problem.extra_topk, platform=platform, impl=problem.impl,
+                            batch_invariant=problem.batch_invariant)
         return lambda *ops: _ffi.call(plan, problem, *ops)
 
     if problem.impl in ("decode", "prefill"):

@@ -283,9 +283,20 @@ def _as_pages(cache, layout: CacheLayout):
 _FP8_MAX = 448.0
 
 
+def _divide(numerator, denominator):
+    """IEEE float32 ``numerator / denominator`` (correctly rounded), elementwise.
+
+    XLA's simplifier rewrites a division by a constant or by a broadcast into a multiplication by
+    the reciprocal, which is not bit-exact. Materialising the divisor at full shape behind an
+    optimization barrier keeps a true division, as SPEC §3 requires.
+    """
+    denominator = jnp.broadcast_to(jnp.asarray(denominator, jnp.float32), numerator.shape)
+    return numerator / jax.lax.optimization_barrier(denominator)
+
+
 def _pow2_scale_bits(amax):
     """Exponent field of 2^ceil(log2(amax/448)) computed from the float32 bits of amax/448."""
-    ratio = amax / jnp.float32(_FP8_MAX)
+    ratio = _divide(amax, _FP8_MAX)
     bits = jax.lax.bitcast_convert_type(ratio, jnp.uint32)
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
@@ -326,8 +337,8 @@ def encode_rows(kv, kv_format: Union[str, KVFormat]):
         exponent = _pow2_scale_bits(amax)
         scale = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
     else:
-        scale = amax / jnp.float32(_FP8_MAX)
-    scaled = jnp.clip(nope / scale[..., None], -_FP8_MAX, _FP8_MAX)
+        scale = _divide(amax, _FP8_MAX)
+    scaled = jnp.clip(_divide(nope, scale[..., None]), -_FP8_MAX, _FP8_MAX)
     fp8_bytes = _to_bytes(scaled.reshape(n, fmt.fp8_dim), jnp.float8_e4m3fn)
     pieces = [fp8_bytes]
     if fmt.scale_kind == ScaleKind.FP32:
@@ -368,6 +379,10 @@ def quantize_kv(kv, kv_format: Union[str, KVFormat], page_size: int = 64):
     data, scales = encode_rows(kv, fmt)
     if not fmt.quantized:
         return data.reshape(num_pages, page_size, fmt.d_qk)
+    # Padding tokens are all-zero bytes (SPEC §3), not encoded zero rows (whose scales are nonzero).
+    real = (jnp.arange(num_pages * page_size) < n)[:, None]
+    data = jnp.where(real, data, jnp.uint8(0))
+    scales = jnp.where(real, scales, jnp.uint8(0))
     if fmt.layout == Layout.INLINE:
         return data.reshape(num_pages, page_size, fmt.bytes_per_token)
     page = jnp.concatenate([data.reshape(num_pages, -1), scales.reshape(num_pages, -1)], axis=-1)

@@ -5,9 +5,12 @@
 passes the decisions to the FFI call as attributes; the workspace is an extra output sized here, so a
 compiled executable replays identical launches every step.
 
-Decode vs prefill (CUDA): a token's candidates are split over several blocks (``decode``: split-K
-plus a combine kernel) only while ``tokens × head tiles`` blocks cannot fill the device on their own;
-once they can (about two waves of blocks), the single-pass ``prefill`` kernel does less total work.
+Decode vs prefill (CUDA), the documented rule: the planner evaluates :class:`CostModel` for the
+single-pass ``prefill`` kernel and for split-K ``decode`` with each split count of
+:data:`SPLIT_CHOICES` and each instantiated head tile, and takes the cheapest. Splitting pays while
+``tokens × head tiles`` blocks leave SMs idle (few tokens); once they fill the device in whole
+waves, splitting only adds the combine and ``prefill`` wins. ``impl="decode"``/``"prefill"`` restrict
+the choice; ``Plan.describe()`` prints the prediction and the runner-up.
 """
 
 from __future__ import annotations
@@ -16,18 +19,55 @@ import dataclasses
 import functools
 from typing import Optional, Union
 
-from . import cuda_config
+from . import calibration, cuda_config
 from .formats import KVFormat, get_format
 from .validate import ENVELOPE, IMPLS
 
-__all__ = ["DeviceInfo", "DEFAULT_CUDA_DEVICE", "Plan", "plan", "device_info", "VARIANT_IDS"]
+__all__ = ["DeviceInfo", "DEFAULT_CUDA_DEVICE", "CostModel", "Plan", "plan", "clear_cache", "device_info",
+           "VARIANT_IDS"]
 
-#: Blocks per SM the decode split count aims for (about two waves).
-WAVES_TO_FILL = 2
-#: Upper bound on decode splits per token (the combine reads every split).
-MAX_SPLITS = 64
 #: Candidates per split under ``batch_invariant=True`` (independent of T).
 BATCH_INVARIANT_SPLIT_SIZE = 256
+#: Split counts the planner considers (the combine reads every split of a token).
+SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Analytic time model of the portable CUDA kernels, in microseconds.
+
+    A launch of ``blocks`` blocks runs in ``waves = ceil(blocks / (sm_count * blocks_per_sm))``
+    waves; a block over ``n`` candidates with a head tile of ``h`` heads costs
+    ``block_us + n * (dequant_ns + h * mma_ns_per_head) / 1000``; the decode combine streams the
+    partial results at ``combine_gbps``. The defaults come from the H200's conversion and
+    ``mma.sync`` rates (PERF.md); :func:`jax_sparse_mla.calibration.calibrate` fits them per device.
+    """
+
+    launch_us: float = 3.0
+    block_us: float = 2.0
+    dequant_ns: float = 25.0  # gather + FP8 -> BF16 conversion of one candidate row by one block
+    mma_ns_per_head: float = 0.45  # S = Q·Kᵀ and O += P·V of one candidate for one head
+    blocks_per_sm: int = 1
+    combine_gbps: float = 2500.0
+
+    def kernel_us(self, blocks: int, candidates_per_block: int, head_tile: int, sm_count: int) -> float:
+        waves = _ceil_div(blocks, max(1, sm_count * self.blocks_per_sm))
+        per_block = self.block_us + candidates_per_block * (self.dequant_ns + head_tile * self.mma_ns_per_head) / 1e3
+        return self.launch_us + waves * per_block
+
+    def combine_us(self, num_splits: int, num_tokens: int, num_heads: int, d_v: int) -> float:
+        moved = num_splits * num_tokens * num_heads * (d_v + 1) * 4 + num_tokens * num_heads * (2 * d_v + 4)
+        return self.launch_us + moved / (self.combine_gbps * 1e3)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Optional[dict]) -> "CostModel":
+        """A model with ``values`` (unknown keys ignored) over the defaults."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in (values or {}).items() if k in known})
+
 
 #: Attribute values of the ``variant`` FFI attribute.
 VARIANT_IDS = {"reference": 0, "decode": 1, "prefill": 2}
@@ -88,6 +128,7 @@ class Plan:
     batch_invariant: bool
     device_name: str
     reason: str
+    predicted_us: Optional[float] = None  # the cost model's estimate (CUDA)
 
     @property
     def workspace_shape(self) -> tuple:
@@ -125,50 +166,64 @@ def _round_up(a: int, b: int) -> int:
     return _ceil_div(a, b) * b
 
 
-def _head_tile(num_heads: int) -> int:
-    """The smallest instantiated head tile that covers all heads, else the largest tile."""
-    tiles = sorted(cuda_config.HEAD_TILES)
-    return next((t for t in tiles if t >= num_heads), tiles[-1])
+def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: DeviceInfo, model: CostModel,
+                  impl):
+    """Every (predicted µs, variant, head tile, splits, split size) the planner may choose from."""
+    tile = cuda_config.SPLIT_GRANULE
+    options = []
+    for heads_per_block in cuda_config.HEAD_TILES[fmt.key]:
+        head_tiles = _ceil_div(num_heads, heads_per_block)
+        base_blocks = num_tokens * head_tiles
+        if impl in ("auto", "prefill"):
+            us = model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count)
+            options.append((us, "prefill", heads_per_block, 1, candidates))
+        if impl in ("auto", "decode"):
+            for splits in SPLIT_CHOICES:
+                split_size = _round_up(_ceil_div(candidates, splits), tile)
+                splits = _ceil_div(candidates, split_size)
+                us = (model.kernel_us(base_blocks * splits, split_size, heads_per_block, device.sm_count)
+                      + model.combine_us(splits, num_tokens, num_heads, fmt.d_v))
+                options.append((us, "decode", heads_per_block, splits, split_size))
+    return options
 
 
 def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: DeviceInfo, batch_invariant,
-               impl) -> Plan:
+               impl, model: CostModel, calibrated: bool) -> Plan:
     candidates = topk + extra_topk
-    heads_per_block = _head_tile(num_heads)
-    head_tiles = _ceil_div(num_heads, heads_per_block)
-    tile = cuda_config.CANDIDATE_TILE
-    base_blocks = max(1, num_tokens * head_tiles)
-    target_blocks = WAVES_TO_FILL * device.sm_count
     common = dict(platform="cuda", family="portable", kv_format=fmt.key, num_tokens=num_tokens,
-                  num_heads=num_heads, topk=topk, extra_topk=extra_topk, heads_per_block=heads_per_block,
-                  batch_invariant=batch_invariant, device_name=device.name)
-
-    if impl == "prefill" or (impl == "auto" and not batch_invariant and base_blocks >= target_blocks):
-        reason = ("impl='prefill' requested" if impl == "prefill" else
-                  f"{base_blocks} token x head-tile blocks fill {device.sm_count} SMs "
-                  f"(>= {target_blocks}): one pass per token, no combine")
-        return Plan(variant="prefill", num_splits=1, split_size=candidates, workspace_bytes=0, min_sm_count=0,
-                    reason=reason, **common)
-
+                  num_heads=num_heads, topk=topk, extra_topk=extra_topk, batch_invariant=batch_invariant,
+                  device_name=device.name, min_sm_count=0)
+    source = "calibrated" if calibrated else "default"
     if batch_invariant:
-        split_size = _round_up(BATCH_INVARIANT_SPLIT_SIZE, tile)
-        reason = f"batch_invariant: fixed {split_size}-candidate splits, independent of T"
-    else:
-        max_splits = _ceil_div(candidates, tile)
-        wanted = _ceil_div(target_blocks, base_blocks)
-        splits = max(1, min(max_splits, wanted, MAX_SPLITS))
-        split_size = _round_up(_ceil_div(candidates, splits), tile)
-        reason = (("impl='decode' requested; " if impl == "decode" else "")
-                  + f"{base_blocks} token x head-tile blocks < {target_blocks}: split each candidate list "
-                  f"into {_ceil_div(candidates, split_size)} to fill {device.sm_count} SMs")
-    num_splits = _ceil_div(candidates, split_size)
-    workspace = num_splits * num_tokens * num_heads * (fmt.d_v + 1) * 4
-    return Plan(variant="decode", num_splits=num_splits, split_size=split_size, workspace_bytes=workspace,
-                min_sm_count=0, reason=reason, **common)
+        if impl == "prefill":
+            raise ValueError("impl: 'prefill' cannot honour batch_invariant=True (its reduction order is the "
+                             "whole candidate list); use impl='auto' or 'decode'")
+        tiles = cuda_config.HEAD_TILES[fmt.key]
+        heads_per_block = next((t for t in tiles if t >= num_heads), tiles[-1])
+        split_size = _round_up(BATCH_INVARIANT_SPLIT_SIZE, cuda_config.SPLIT_GRANULE)
+        num_splits = _ceil_div(candidates, split_size)
+        return Plan(variant="decode", heads_per_block=heads_per_block, num_splits=num_splits, split_size=split_size,
+                    workspace_bytes=cuda_config.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v),
+                    reason=f"batch_invariant: fixed {split_size}-candidate splits and head tile {heads_per_block}, "
+                           f"independent of T", **common)
+    options = _cuda_options(fmt, num_tokens, num_heads, candidates, device, model, impl)
+    us, variant, heads_per_block, num_splits, split_size = min(options, key=lambda o: (o[0], o[3], -o[2]))
+    runner_up = sorted(o for o in options if o[1:3] != (variant, heads_per_block) or o[3] != num_splits)
+    alternative = ""
+    if runner_up:
+        r = runner_up[0]
+        alternative = f"; next best {r[1]} x{r[3]} splits, head tile {r[2]}: {r[0]:.1f} us"
+    forced = f"impl={impl!r} requested; " if impl != "auto" else ""
+    reason = (f"{forced}cost model ({source} constants, {device.sm_count} SMs) predicts {us:.1f} us for "
+              f"{variant}" + (f" with {num_splits} splits" if variant == "decode" else "") +
+              f" and head tile {heads_per_block}{alternative}")
+    workspace = cuda_config.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v) if variant == "decode" else 0
+    return Plan(variant=variant, heads_per_block=heads_per_block, num_splits=num_splits if variant == "decode" else 1,
+                split_size=split_size, workspace_bytes=workspace, reason=reason, predicted_us=us, **common)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(q_shape, fmt_key, topk, extra_topk, platform, device, batch_invariant, impl) -> Plan:
+def _plan_cached(q_shape, fmt_key, topk, extra_topk, platform, device, batch_invariant, impl, constants) -> Plan:
     fmt = get_format(fmt_key)
     num_heads = q_shape[-2]
     num_tokens = 1
@@ -183,12 +238,15 @@ def _plan_cached(q_shape, fmt_key, topk, extra_topk, platform, device, batch_inv
                     min_sm_count=0, batch_invariant=batch_invariant, device_name=device.name,
                     reason="the CPU runs the C++ reference kernel (one pass, no workspace; batch invariant)")
     if platform == "cuda":
-        return _plan_cuda(fmt, num_tokens, num_heads, topk, extra_topk, device, batch_invariant, impl)
+        model = CostModel.from_dict(dict(constants) if constants is not None else None)
+        return _plan_cuda(fmt, num_tokens, num_heads, topk, extra_topk, device, batch_invariant, impl, model,
+                          constants is not None)
     raise ValueError(f"platform: expected one of {sorted(ENVELOPE['platforms'])}, got {platform!r}")
 
 
 def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int = 0, platform: str,
-         device: Optional[DeviceInfo] = None, batch_invariant: bool = False, impl: str = "auto") -> Plan:
+         device: Optional[DeviceInfo] = None, batch_invariant: bool = False, impl: str = "auto",
+         cost_model: Optional[CostModel] = None) -> Plan:
     """Plans one ``sparse_mla`` call.
 
     Args:
@@ -199,6 +257,8 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
         :data:`DEFAULT_CUDA_DEVICE`.
       batch_invariant: fix the candidate chunking and combine order independently of T.
       impl: ``"auto"``, ``"decode"`` or ``"prefill"`` (``"xla"`` never reaches the planner).
+      cost_model: constants to plan with; ``None`` uses the device's calibration (if any) over the
+        model defaults.
     Returns:
       A memoised :class:`Plan`.
     """
@@ -207,5 +267,17 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
         raise ValueError(f"impl: expected 'auto', 'decode' or 'prefill' for planning, got {impl!r}")
     if device is None:
         device = device_info(platform)
+    if cost_model is not None:
+        constants = tuple(sorted(cost_model.to_dict().items()))
+    elif platform == "cuda":
+        calibrated = calibration.device_constants(device.name)
+        constants = None if calibrated is None else tuple(sorted(calibrated.items()))
+    else:
+        constants = None
     return _plan_cached(tuple(int(d) for d in q_shape), fmt.key, int(topk), int(extra_topk), platform, device,
-                        bool(batch_invariant), impl)
+                        bool(batch_invariant), impl, constants)
+
+
+def clear_cache() -> None:
+    """Forgets memoised plans (calibration changes are picked up without it; this is for tests)."""
+    _plan_cached.cache_clear()

@@ -50,6 +50,7 @@ class Problem:
     has_extra_topk_length: bool
     has_sink: bool
     impl: str
+    batch_invariant: bool = False
 
 
 def _describe(x) -> str:
@@ -94,7 +95,7 @@ def _check_lengths(name, x, lead):
 
 def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk_length=None, attn_sink=None,
               extra_kv_cache=None, extra_indices=None, extra_topk_length=None, extra_page_size=None,
-              valid_tokens=None, impl="auto") -> Problem:
+              valid_tokens=None, impl="auto", batch_invariant=False) -> Problem:
     """Validates every argument of :func:`jax_sparse_mla.sparse_mla` and returns the static :class:`Problem`."""
     fmt = get_format(kv_format)
     if not isinstance(impl, str):
@@ -104,6 +105,8 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"sm_scale: expected a Python float (static), got {_describe(sm_scale)}")
     sm_scale = float(sm_scale)
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        raise TypeError(f"batch_invariant: expected a bool, got {_describe(batch_invariant)}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite float, got {sm_scale}")
 
@@ -162,7 +165,7 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
     return Problem(fmt=fmt, lead_shape=lead, num_tokens=num_tokens, num_heads=num_heads, topk=int(topk),
                    extra_topk=int(extra_topk), layout=layout, extra_layout=extra_layout, sm_scale=sm_scale,
                    has_topk_length=topk_length is not None, has_extra_topk_length=extra_topk_length is not None,
-                   has_sink=attn_sink is not None, impl=impl)
+                   has_sink=attn_sink is not None, impl=impl, batch_invariant=bool(batch_invariant))
 
 
 def _page_rules(fmt: KVFormat) -> str:

@@ -1,0 +1,126 @@
+// Gathering one tile of candidate KV rows into shared memory as BF16: the per-format half of every
+// CUDA kernel. Addresses come from CacheView, validity from CandidateList (kernels/common).
+//
+// Two steps per tile, both done by every thread of the block on the same bytes, so a thread only
+// ever reads staging bytes its own cp.async wrote (no barrier between landing and conversion):
+//   issue():   16-byte cp.async of the row's payload (FP8 lanes, then BF16 lanes) into a staging
+//              row, plus the row's scale record into the thread's private scale slot;
+//   convert(): staging → BF16 tile row, FP8 × scale computed in FP32 and rounded to BF16 once
+//              (an arbitrary FP32 scale is never rounded to 16 bits); a masked row is zero-filled
+//              and its payload never read.
+// Thread `tid` owns row tid / kThreadsPerRow and units sub, sub + kThreadsPerRow, ... of it, where a
+// unit is 16 staged bytes (16 FP8 values or 8 BF16 values).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "kernels/common/cache_view.h"
+#include "kernels/common/numeric.h"
+#include "kernels/cuda/device_utils.cuh"
+
+namespace jsmla::cuda {
+
+// Bytes of the scale record one row needs: all FP32 scales of an inline row, or the footer scale row.
+constexpr int scale_record_bytes(const FormatTraits& f) {
+  if (f.scale_kind == ScaleKind::kNone) return 0;
+  return f.layout == Layout::kFooter ? f.scale_row_bytes : f.num_groups * f.scale_bytes();
+}
+
+// Bytes one thread's private scale slot holds (the largest record of any format).
+inline constexpr int kScaleSlotBytes = 16;
+
+template <FormatId kFormat, int kCandidateTile, int kThreads>
+struct TileLoader {
+  static constexpr FormatTraits kF = format_traits(kFormat);
+  static constexpr int kThreadsPerRow = kThreads / kCandidateTile;
+  static constexpr int kFp8Units = kF.fp8_dim / 16;
+  static constexpr int kBf16Units = kF.bf16_dim * 2 / 16;
+  static constexpr int kUnits = kFp8Units + kBf16Units;
+  static constexpr int kUnitsPerThread = (kUnits + kThreadsPerRow - 1) / kThreadsPerRow;
+  static constexpr int kStagedRowBytes = kUnits * 16;
+  static constexpr int kScaleRecordBytes = scale_record_bytes(kF);
+  // BF16 elements between consecutive tile rows: d_qk plus 16 bytes, so that the 8 rows one
+  // ldmatrix phase reads fall into 8 different 16-byte bank groups.
+  static constexpr int kTilePitch = kF.d_qk + 8;
+
+  static_assert(kThreads % kCandidateTile == 0, "every tile row needs the same number of loader threads");
+  static_assert(kF.fp8_dim % 16 == 0 && (2 * kF.bf16_dim) % 16 == 0, "payload must split into 16-byte units");
+  static_assert(kF.bf16_offset % 16 == 0, "the BF16 lanes of a row must be 16-byte aligned for cp.async");
+  static_assert(kF.layout != Layout::kInline || kF.scale_offset % 16 == 0, "inline scales must be 16-byte aligned");
+  static_assert(kF.group_size == 0 || kF.group_size % 16 == 0, "a 16-value unit must lie inside one scale group");
+  static_assert(kScaleRecordBytes == 0 || kScaleRecordBytes == 8 || kScaleRecordBytes == 16,
+                "scale records are copied with one 8- or 16-byte cp.async");
+  static_assert(kScaleRecordBytes <= kScaleSlotBytes, "scale record must fit the thread's scale slot");
+  static_assert((kTilePitch * 2) % 16 == 0 && ((kTilePitch * 2) / 16) % 8 == 1,
+                "tile rows must start 16-byte aligned and rotate through the 8 bank groups");
+
+  // Starts the copies of this thread's units of one candidate row (slot must be valid).
+  static JSMLA_DEVICE void issue(const CacheView& cache, int64_t slot, uint8_t* staged_row, uint8_t* scale_slot,
+                                 int sub) {
+    const uint8_t* row = cache.data_row(slot);
+#pragma unroll
+    for (int i = 0; i < kUnitsPerThread; ++i) {
+      const int unit = sub + i * kThreadsPerRow;
+      if (unit < kUnits) {
+        const uint8_t* source =
+            unit < kFp8Units ? row + 16 * unit : row + kF.bf16_offset + 16 * (unit - kFp8Units);
+        cp_async_16(staged_row + 16 * unit, source);
+      }
+    }
+    constexpr FormatTraits format = kF;  // a device-side copy: CacheView takes the traits by reference
+    if constexpr (kScaleRecordBytes == 16) {
+      cp_async_16(scale_slot, cache.scales(format, slot));
+    } else if constexpr (kScaleRecordBytes == 8) {
+      cp_async_8(scale_slot, cache.scales(format, slot));
+    }
+  }
+
+  // Writes this thread's units of one tile row: dequantized when `valid`, zeros otherwise.
+  static JSMLA_DEVICE void convert(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot,
+                                   uint16_t* tile_row, int sub) {
+#pragma unroll
+    for (int i = 0; i < kUnitsPerThread; ++i) {
+      const int unit = sub + i * kThreadsPerRow;
+      if (unit >= kUnits) continue;
+      if constexpr (kFp8Units > 0) {
+        if (unit < kFp8Units) {
+          uint4* destination = reinterpret_cast<uint4*>(tile_row + 16 * unit);
+          if (!valid) {
+            destination[0] = make_uint4(0, 0, 0, 0);
+            destination[1] = make_uint4(0, 0, 0, 0);
+            continue;
+          }
+          const uint4 fp8 = *reinterpret_cast<const uint4*>(staged_row + 16 * unit);
+          const float scale = group_scale_of(scale_slot, (16 * unit) / kF.group_size);
+          destination[0] = make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
+                                      fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale));
+          destination[1] = make_uint4(fp8x2_to_bf16x2(fp8.z, scale), fp8x2_to_bf16x2(fp8.z >> 16, scale),
+                                      fp8x2_to_bf16x2(fp8.w, scale), fp8x2_to_bf16x2(fp8.w >> 16, scale));
+          continue;
+        }
+      }
+      const int first_dim = kF.fp8_dim + 8 * (unit - kFp8Units);
+      *reinterpret_cast<uint4*>(tile_row + first_dim) =
+          valid ? *reinterpret_cast<const uint4*>(staged_row + 16 * unit) : make_uint4(0, 0, 0, 0);
+    }
+  }
+
+ private:
+  static JSMLA_DEVICE float group_scale_of(const uint8_t* scale_slot, int group) {
+    if constexpr (kF.scale_kind == ScaleKind::kFp32) {
+      return reinterpret_cast<const float*>(scale_slot)[group];
+    } else {
+      return ue8m0_to_float(scale_slot[group]);
+    }
+  }
+
+  // Two e4m3 values (the low 16 bits) times `scale`, in FP32, rounded once to a BF16 pair.
+  static JSMLA_DEVICE uint32_t fp8x2_to_bf16x2(uint32_t packed, float scale) {
+    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(packed & 0xffffu), __NV_E4M3);
+    const float2 values = __half22float2(__half2(pair));
+    return pack_bf16x2(values.x * scale, values.y * scale);
+  }
+};
+
+}  // namespace jsmla::cuda

@@ -1,0 +1,7 @@
+// Portable kernel instantiation: bf16_576, 16 heads per block.
+#include "kernels/cuda/portable/sparse_mla_kernel.cuh"
+
+namespace jsmla::cuda::portable {
+template cudaError_t launch_sparse_mla_portable<PortableConfig<FormatId::kBf16_576, 16>>(const SplitKvParams&,
+                                                                                       cudaStream_t);
+}  // namespace jsmla::cuda::portable

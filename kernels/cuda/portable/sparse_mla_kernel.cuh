@@ -1,0 +1,338 @@
+// The portable sparse-MLA kernel (see config.cuh for the warp grid). One template serves both plan
+// variants: decode (split s of a token writes its partial state to the split workspace, merged by
+// combine.cuh) and prefill (one split per token writes out/lse directly, sink folded in).
+//
+// Pipeline per candidate tile i, with a single BF16 tile and a single staging area:
+//   load the indices of tile i+2 (kept in flight across the MMAs)
+//   S = Q·Kᵀ (tile i) → exchange partial S → mask → online softmax → O += P·V (tile i)
+//   __syncthreads                                  (tile i and the exchange are free)
+//   wait for the own staged bytes of tile i+1, convert them into the BF16 tile
+//   issue the cp.async gather of tile i+2
+//   __syncthreads                                  (tile i+1 is ready)
+// so the gather of a tile overlaps the MMAs of the tile before it; the FP8 conversion runs between
+// them, once per block for all heads of the tile.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/launch_params.h"
+#include "kernels/cuda/launch_utils.h"
+#include "kernels/cuda/portable/launch.h"
+#include "kernels/cuda/portable/config.cuh"
+#include "kernels/cuda/softmax_merge.cuh"
+
+namespace jsmla::cuda::portable {
+
+// The candidate positions one block visits: split ∩ ([0, main_len) ∪ [main_topk, main_topk + extra_len)),
+// cut into tiles that never straddle the main/extra boundary. Positions past a row's length are never
+// visited; masked positions inside the range are zero-filled and get -inf scores.
+template <int kCandidateTile>
+struct CandidateTiles {
+  int32_t first_begin, first_end, second_begin, second_end;
+  int32_t first_count, count;
+
+  JSMLA_DEVICE CandidateTiles(const AttentionParams& a, int64_t token, int64_t split_begin, int64_t split_end) {
+    const int64_t main_topk = a.main.topk;
+    const int64_t main_length = a.main.row_length(token);
+    const int64_t extra_length = a.extra.topk > 0 ? a.extra.row_length(token) : 0;
+    first_begin = static_cast<int32_t>(split_begin);
+    first_end = static_cast<int32_t>(max(split_begin, min(split_end, main_length)));
+    second_begin = static_cast<int32_t>(max(split_begin, main_topk));
+    second_end = static_cast<int32_t>(max(static_cast<int64_t>(second_begin), min(split_end, main_topk + extra_length)));
+    first_count = (first_end - first_begin + kCandidateTile - 1) / kCandidateTile;
+    count = first_count + (second_end - second_begin + kCandidateTile - 1) / kCandidateTile;
+  }
+  JSMLA_DEVICE int32_t begin(int tile) const {
+    return tile < first_count ? first_begin + tile * kCandidateTile : second_begin + (tile - first_count) * kCandidateTile;
+  }
+  JSMLA_DEVICE int32_t end(int tile) const {
+    return tile < first_count ? min(begin(tile) + kCandidateTile, first_end) : min(begin(tile) + kCandidateTile, second_end);
+  }
+};
+
+// The candidate one loader thread gathers for a tile row: its list and raw index, read one tile early
+// so that the index load is in flight across the MMAs of the current tile.
+struct PendingRow {
+  bool in_range = false;  // false: past the end of the tile or of the block's range
+  bool in_extra = false;  // which list the position belongs to
+  int32_t index = -1;
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(const __grid_constant__ SplitKvParams p) {
+  using Loader = typename Cfg::Loader;
+  constexpr int kN = Cfg::kCandidateTile;
+  constexpr int kPitch = Cfg::kTilePitch;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint16_t* const tile = reinterpret_cast<uint16_t*>(smem + Cfg::kTileOffset);
+  uint8_t* const stage = smem + Cfg::kStageOffset;
+  uint8_t* const scale_slots = smem + Cfg::kScaleSlotsOffset;
+  float* const exchange = reinterpret_cast<float*>(smem + Cfg::kExchangeOffset);
+  float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);
+
+  const AttentionParams& a = p.attn;
+  const int64_t block = blockIdx.x;
+  const int split = static_cast<int>(block % p.num_splits);
+  const int head_tile = static_cast<int>((block / p.num_splits) % p.num_head_tiles);
+  const int64_t token = block / p.num_splits / p.num_head_tiles;
+  const int head_begin = head_tile * Cfg::kHeadTile;
+  const int num_heads = a.num_heads;
+  const bool write_final = p.workspace.partial_out == nullptr;
+
+  if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
+    // Padding row: decode leaves it to the combine kernel; prefill writes the empty state here.
+    if (write_final) {
+      const int heads = min(Cfg::kHeadTile, num_heads - head_begin);
+      uint4* out = reinterpret_cast<uint4*>(a.out + (token * num_heads + head_begin) * Cfg::kDv);
+      for (int i = threadIdx.x; i < heads * Cfg::kDv / 8; i += Cfg::kThreads) out[i] = make_uint4(0, 0, 0, 0);
+      for (int h = threadIdx.x; h < heads; h += Cfg::kThreads) a.lse[token * num_heads + head_begin + h] = -INFINITY;
+    }
+    return;
+  }
+
+  const int64_t total_positions = static_cast<int64_t>(a.main.topk) + a.extra.topk;
+  const int64_t split_begin = static_cast<int64_t>(split) * p.split_size;
+  const int64_t split_end = min(split_begin + p.split_size, total_positions);
+  const CandidateTiles<kN> tiles(a, token, min(split_begin, split_end), split_end);
+
+  // ---- loader role: row `load_row` of every tile, units `load_sub` + k*kThreadsPerRow ----
+  const int load_row = threadIdx.x / Loader::kThreadsPerRow;
+  const int load_sub = threadIdx.x % Loader::kThreadsPerRow;
+  uint8_t* const staged_row = stage + load_row * Loader::kStagedRowBytes;
+  uint8_t* const scale_slot = scale_slots + threadIdx.x * kScaleSlotBytes;
+  uint16_t* const tile_row = tile + load_row * kPitch;
+
+  auto read_row = [&](int tile_index) {
+    PendingRow row;
+    if (tile_index < tiles.count) {
+      const int32_t position = tiles.begin(tile_index) + load_row;
+      if (position < tiles.end(tile_index)) {
+        row.in_range = true;
+        row.in_extra = position >= a.main.topk;
+        const CandidateList& list = row.in_extra ? a.extra : a.main;
+        const int32_t j = row.in_extra ? position - a.main.topk : position;
+        row.index = load_global_nc(list.indices + token * list.topk + j);
+      }
+    }
+    return row;
+  };
+  // Starts the gather of a row; returns whether it is valid (a masked row is never read).
+  auto issue_row = [&](const PendingRow& row) {
+    const CacheView& cache = row.in_extra ? a.extra.cache : a.main.cache;
+    const bool valid = row.in_range && cache.contains(row.index);
+    if (valid) Loader::issue(cache, row.index, staged_row, scale_slot, load_sub);
+    cp_async_commit();
+    return valid;
+  };
+  auto convert_row = [&](bool valid) {
+    cp_async_wait_all();
+    Loader::convert(valid, staged_row, scale_slot, tile_row, load_sub);
+    if (load_sub == 0) score_bias[load_row] = valid ? 0.0f : -INFINITY;
+  };
+
+  // ---- prologue: gather tile 0, load Q, convert tile 0, gather tile 1 ----
+  bool staged_valid = issue_row(read_row(0));
+  PendingRow pending = read_row(1);
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int head_group = warp % Cfg::kHeadGroups;
+  const int d_split = warp / Cfg::kHeadGroups;
+  // Rows lane/4 and lane/4 + 8 of the warp's 16 heads (m16n8 accumulator / A-fragment layout).
+  const int head_a = head_begin + 16 * head_group + lane / 4;
+  const int head_b = head_a + 8;
+
+  uint32_t q_fragment[Cfg::kKStepsPerWarp][4];
+  {
+    const uint16_t* q_a = a.q + (token * num_heads + head_a) * Cfg::kDqk;
+    const uint16_t* q_b = a.q + (token * num_heads + head_b) * Cfg::kDqk;
+    const int k_first = d_split * Cfg::kKStepsPerWarp * 16 + 2 * (lane % 4);
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kKStepsPerWarp; ++ks) {
+      const int k = k_first + 16 * ks;
+      q_fragment[ks][0] = head_a < num_heads ? load_global_u32(q_a + k) : 0u;
+      q_fragment[ks][1] = head_b < num_heads ? load_global_u32(q_b + k) : 0u;
+      q_fragment[ks][2] = head_a < num_heads ? load_global_u32(q_a + k + 8) : 0u;
+      q_fragment[ks][3] = head_b < num_heads ? load_global_u32(q_b + k + 8) : 0u;
+    }
+  }
+
+  if (tiles.count > 0) convert_row(staged_valid);
+  staged_valid = issue_row(pending);
+  __syncthreads();
+
+  // ---- main loop ----
+  const float score_scale = a.sm_scale * kLog2e;  // scores in the log2 domain
+  float row_max[2] = {-INFINITY, -INFINITY};      // per accumulator row (lane/4, lane/4 + 8)
+  float row_sum[2] = {0.0f, 0.0f};                // this thread's columns only; quad-reduced at the end
+  float out_acc[Cfg::kOutTiles][4];
+#pragma unroll
+  for (int i = 0; i < Cfg::kOutTiles; ++i) out_acc[i][0] = out_acc[i][1] = out_acc[i][2] = out_acc[i][3] = 0.0f;
+
+  // ldmatrix row addresses. K (B of S, not transposed): matrices (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7)
+  // (n8-15,k8-15). V (B of P·V, transposed): (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15).
+  const uint16_t* const k_lane =
+      tile + (lane % 8 + (lane / 16) * 8) * kPitch + d_split * Cfg::kKStepsPerWarp * 16 + ((lane / 8) % 2) * 8;
+  const uint16_t* const v_lane =
+      tile + (lane % 8 + ((lane / 8) % 2) * 8) * kPitch + d_split * Cfg::kDvPerWarp + (lane / 16) * 8;
+
+  for (int tile_index = 0; tile_index < tiles.count; ++tile_index) {
+    pending = read_row(tile_index + 2);
+
+    float score[Cfg::kScoreTiles][4];
+#pragma unroll
+    for (int i = 0; i < Cfg::kScoreTiles; ++i) score[i][0] = score[i][1] = score[i][2] = score[i][3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kKStepsPerWarp; ++ks) {
+#pragma unroll
+      for (int pair = 0; pair < Cfg::kScoreTiles / 2; ++pair) {
+        uint32_t b[4];
+        ldmatrix_x4(b, k_lane + pair * 16 * kPitch + ks * 16);
+        mma_bf16_16816(score[2 * pair], q_fragment[ks], b[0], b[1]);
+        mma_bf16_16816(score[2 * pair + 1], q_fragment[ks], b[2], b[3]);
+      }
+    }
+
+    if constexpr (Cfg::kDSplits > 1) {
+      // Sum the head group's partial scores in d-split order: identical bits in every warp of the group.
+      float* mine = exchange + warp * Cfg::kExchangeFloatsPerWarp;
+#pragma unroll
+      for (int i = 0; i < Cfg::kScoreTiles * 4; ++i) mine[i * 32 + lane] = score[i / 4][i % 4];
+      named_barrier_sync(1 + head_group, 32 * Cfg::kDSplits);
+#pragma unroll
+      for (int i = 0; i < Cfg::kScoreTiles * 4; ++i) {
+        const float own = score[i / 4][i % 4];
+        float total = 0.0f;
+#pragma unroll
+        for (int c = 0; c < Cfg::kDSplits; ++c) {
+          const float part = c == d_split
+                                 ? own
+                                 : exchange[(c * Cfg::kHeadGroups + head_group) * Cfg::kExchangeFloatsPerWarp + i * 32 + lane];
+          total = c == 0 ? part : total + part;
+        }
+        score[i / 4][i % 4] = total;
+      }
+    }
+
+    // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < Cfg::kScoreTiles; ++i) {
+      const float2 bias = *reinterpret_cast<const float2*>(score_bias + 8 * i + 2 * (lane % 4));
+      score[i][0] = score[i][0] * score_scale + bias.x;
+      score[i][1] = score[i][1] * score_scale + bias.y;
+      score[i][2] = score[i][2] * score_scale + bias.x;
+      score[i][3] = score[i][3] * score_scale + bias.y;
+      tile_max[0] = fmaxf(tile_max[0], fmaxf(score[i][0], score[i][1]));
+      tile_max[1] = fmaxf(tile_max[1], fmaxf(score[i][2], score[i][3]));
+    }
+    float rescale[2];
+    float subtract[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float new_max = fmaxf(row_max[r], tile_max[r]);
+      // While a row has seen only masked candidates, its max stays -inf: keep everything at zero.
+      subtract[r] = new_max == -INFINITY ? 0.0f : new_max;
+      rescale[r] = fast_exp2(row_max[r] - subtract[r]);
+      row_max[r] = new_max;
+      row_sum[r] *= rescale[r];
+    }
+#pragma unroll
+    for (int i = 0; i < Cfg::kScoreTiles; ++i) {
+      score[i][0] = fast_exp2(score[i][0] - subtract[0]);
+      score[i][1] = fast_exp2(score[i][1] - subtract[0]);
+      score[i][2] = fast_exp2(score[i][2] - subtract[1]);
+      score[i][3] = fast_exp2(score[i][3] - subtract[1]);
+      row_sum[0] += score[i][0] + score[i][1];
+      row_sum[1] += score[i][2] + score[i][3];
+    }
+    // Once the running maxima settle, most tiles leave them unchanged (every factor exactly 1): skip
+    // the O rescale then; the result is bit-identical.
+    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
+#pragma unroll
+      for (int i = 0; i < Cfg::kOutTiles; ++i) {
+        out_acc[i][0] *= rescale[0];
+        out_acc[i][1] *= rescale[0];
+        out_acc[i][2] *= rescale[1];
+        out_acc[i][3] *= rescale[1];
+      }
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      const uint32_t p_fragment[4] = {
+          pack_bf16x2(score[2 * kk][0], score[2 * kk][1]), pack_bf16x2(score[2 * kk][2], score[2 * kk][3]),
+          pack_bf16x2(score[2 * kk + 1][0], score[2 * kk + 1][1]),
+          pack_bf16x2(score[2 * kk + 1][2], score[2 * kk + 1][3])};
+#pragma unroll
+      for (int pair = 0; pair < Cfg::kOutTiles / 2; ++pair) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_lane + kk * 16 * kPitch + pair * 16);
+        mma_bf16_16816(out_acc[2 * pair], p_fragment, b[0], b[1]);
+        mma_bf16_16816(out_acc[2 * pair + 1], p_fragment, b[2], b[3]);
+      }
+    }
+
+    __syncthreads();
+    if (tile_index + 1 < tiles.count) {
+      convert_row(staged_valid);
+      staged_valid = issue_row(pending);
+    }
+    __syncthreads();
+  }
+
+  // ---- epilogue ----
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+  }
+  const int column_first = d_split * Cfg::kDvPerWarp + 2 * (lane % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int head = r == 0 ? head_a : head_b;
+    if (head >= num_heads) continue;
+    const float split_lse = lse_from_log2_state(row_max[r], row_sum[r]);
+    if (write_final) {
+      const float sink = a.attn_sink != nullptr ? a.attn_sink[head] : -INFINITY;
+      const float lse = lse_with_sink(split_lse, sink);
+      const float factor = row_sum[r] > 0.0f ? state_weight(split_lse, lse) / row_sum[r] : 0.0f;
+      uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
+#pragma unroll
+      for (int i = 0; i < Cfg::kOutTiles; ++i) {
+        *reinterpret_cast<uint32_t*>(out + 8 * i) =
+            pack_bf16x2(out_acc[i][2 * r] * factor, out_acc[i][2 * r + 1] * factor);
+      }
+      if (d_split == 0 && lane % 4 == 0) a.lse[token * num_heads + head] = lse;
+    } else {
+      const int64_t row = SplitWorkspace::row(split, token, head, a.num_tokens, num_heads);
+      const float factor = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+      float* out = p.workspace.partial_out + row * Cfg::kDv + column_first;
+#pragma unroll
+      for (int i = 0; i < Cfg::kOutTiles; ++i) {
+        *reinterpret_cast<float2*>(out + 8 * i) = make_float2(out_acc[i][2 * r] * factor, out_acc[i][2 * r + 1] * factor);
+      }
+      if (d_split == 0 && lane % 4 == 0) p.workspace.partial_lse[row] = split_lse;
+    }
+  }
+}
+
+// Launches one instantiation on `stream` (the caller has checked the plan and the buffers).
+template <class Cfg>
+cudaError_t launch_sparse_mla_portable(const SplitKvParams& p, cudaStream_t stream) {
+  auto* kernel = &sparse_mla_portable_kernel<Cfg>;
+  static DeviceOnce shared_memory_raised;
+  if constexpr (Cfg::kSharedBytes > 48 * 1024) {
+    const cudaError_t error = shared_memory_raised.run([&] {
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSharedBytes);
+    });
+    if (error != cudaSuccess) return error;
+  }
+  const int64_t blocks = p.attn.num_tokens * p.num_head_tiles * p.num_splits;
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSharedBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jsmla::cuda::portable

@@ -1,0 +1,740 @@
+// Standalone correctness + timing check of the portable CUDA kernels, without JAX.
+//
+// Builds caches on the host (quantized exactly as SPEC §3 describes), runs decode (split-K + combine)
+// and prefill through the same registry the FFI handler uses, and compares with a float64 reference
+// on the dequantized cache (kernels/cpu's dequantize_row, so addressing is shared with the CPU path).
+// Outputs are poisoned with NaN before every run. Timing uses CUDA events over batches of calls that
+// rotate between index sets, on caches larger than L2.
+//
+// Build (not part of the CMake targets; see build_and_check.sh):
+//   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
+//        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
+// Run: ./portable_check [--quick | --sanitize]   (exit code 0 only when every check passes)
+//   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/common/numeric.h"
+#include "kernels/cpu/sparse_mla_cpu.h"
+#include "kernels/cuda/combine.h"
+#include "kernels/cuda/portable/registry.h"
+
+namespace {
+
+using namespace jsmla;
+namespace portable = jsmla::cuda::portable;
+
+#define CHECK_CUDA(call)                                                                          \
+  do {                                                                                            \
+    cudaError_t e_ = (call);                                                                      \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
+                   cudaGetErrorString(e_));                                                       \
+      std::exit(2);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ---------------------------------------------------------------- host quantization (SPEC §3)
+struct Fp8Table {
+  std::vector<float> values;  // codes 0..126 (non-negative finite e4m3)
+  Fp8Table() {
+    for (int c = 0; c < 127; ++c) values.push_back(fp8_e4m3_to_float(static_cast<uint8_t>(c)));
+  }
+  // Saturating round-to-nearest-even.
+  uint8_t encode(float x) const {
+    const float a = std::min(std::fabs(x), 448.0f);
+    const auto it = std::lower_bound(values.begin(), values.end(), a);
+    int code = static_cast<int>(it - values.begin());
+    if (code > 126) code = 126;
+    if (code > 0) {
+      const float hi = values[code], lo = values[code - 1];
+      if (a - lo < hi - a || (a - lo == hi - a && (code - 1) % 2 == 0)) code -= 1;
+    }
+    return static_cast<uint8_t>(code | (x < 0 && code != 0 ? 0x80 : 0));
+  }
+};
+
+float pow2_ceil(float v) { return std::ldexp(1.0f, static_cast<int>(std::ceil(std::log2(v)))); }
+
+struct HostCache {
+  std::vector<uint8_t> bytes;
+  CacheView view;  // base points into `bytes`
+  uint8_t* device = nullptr;
+  CacheView device_view() const {
+    CacheView v = view;
+    v.base = device;
+    return v;
+  }
+};
+
+// A cache of `num_pages` pages of `page_size` tokens; row_stride / page_stride may add padding,
+// which is filled with 0xff (NaN as FP8 and BF16) so that a read of it would show.
+HostCache build_cache(const FormatTraits& f, int64_t num_pages, int64_t page_size, int64_t row_stride,
+                      int64_t page_stride, uint64_t seed, const Fp8Table& fp8) {
+  HostCache c;
+  c.bytes.assign(static_cast<size_t>(num_pages * page_stride), 0xff);
+  c.view.base = c.bytes.data();
+  c.view.num_pages = num_pages;
+  c.view.page_size = page_size;
+  c.view.page_stride = page_stride;
+  c.view.row_stride = row_stride;
+  const int64_t slots = num_pages * page_size;
+  const int threads = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::thread> pool;
+  for (int w = 0; w < threads; ++w) {
+    pool.emplace_back([&, w] {
+      std::mt19937_64 rng(seed * 1000 + w);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::vector<float> x(f.d_qk);
+      for (int64_t slot = w; slot < slots; slot += threads) {
+        for (auto& v : x) v = normal(rng);
+        uint8_t* row = const_cast<uint8_t*>(c.view.data_row(slot));
+        if (f.fp8_dim > 0) {
+          uint8_t* scales = const_cast<uint8_t*>(c.view.scales(f, slot));
+          if (f.layout == Layout::kFooter) std::memset(scales, 0, f.scale_row_bytes);
+          for (int g = 0; g < f.num_groups; ++g) {
+            float amax = 1e-4f;
+            for (int i = g * f.group_size; i < (g + 1) * f.group_size; ++i) amax = std::max(amax, std::fabs(x[i]));
+            const float scale = (f.pow2_scales || f.scale_kind == ScaleKind::kUe8m0) ? pow2_ceil(amax / 448.0f)
+                                                                                   : amax / 448.0f;
+            if (f.scale_kind == ScaleKind::kFp32) {
+              std::memcpy(scales + 4 * g, &scale, 4);
+            } else {
+              scales[g] = static_cast<uint8_t>(127 + std::ilogb(scale));
+            }
+            for (int i = g * f.group_size; i < (g + 1) * f.group_size; ++i) row[i] = fp8.encode(x[i] / scale);
+          }
+        }
+        uint8_t* bf16 = row + f.bf16_offset;
+        for (int i = 0; i < f.bf16_dim; ++i) {
+          const uint16_t b = float_to_bf16(x[f.fp8_dim + i]);
+          bf16[2 * i] = static_cast<uint8_t>(b & 0xff);
+          bf16[2 * i + 1] = static_cast<uint8_t>(b >> 8);
+        }
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  CHECK_CUDA(cudaMalloc(&c.device, c.bytes.size()));
+  CHECK_CUDA(cudaMemcpy(c.device, c.bytes.data(), c.bytes.size(), cudaMemcpyHostToDevice));
+  return c;
+}
+
+// ---------------------------------------------------------------- problem
+struct Problem {
+  std::string name;
+  FormatId format;
+  int64_t num_tokens;
+  int num_heads;
+  int topk;
+  int extra_topk = 0;
+  float sm_scale;
+  bool with_topk_length = false;
+  bool with_sink = false;
+  int valid_tokens = -1;       // -1: all
+  double invalid_fraction = 0.02;
+  int index_sets = 1;          // rotated between timed calls
+};
+
+struct DeviceProblem {
+  Problem pr;
+  const FormatTraits* f;
+  HostCache* main;
+  HostCache* extra;  // may be null
+  std::vector<std::vector<int32_t>> indices, extra_indices;  // per index set, [T, topk]
+  std::vector<int32_t> topk_length, extra_topk_length;
+  std::vector<float> sink;
+  std::vector<uint16_t> q;
+  int32_t valid_tokens;
+  // device
+  std::vector<int32_t*> d_indices, d_extra_indices;
+  int32_t *d_topk_length = nullptr, *d_extra_topk_length = nullptr, *d_valid = nullptr;
+  float* d_sink = nullptr;
+  uint16_t* d_q = nullptr;
+  uint16_t* d_out = nullptr;
+  float* d_lse = nullptr;
+  void* d_workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+template <class T>
+T* to_device(const std::vector<T>& v) {
+  if (v.empty()) return nullptr;
+  T* d = nullptr;
+  CHECK_CUDA(cudaMalloc(&d, v.size() * sizeof(T)));
+  CHECK_CUDA(cudaMemcpy(d, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+std::vector<int32_t> random_indices(int64_t rows, int width, int64_t num_slots, double invalid_fraction,
+                                    std::mt19937_64& rng) {
+  std::vector<int32_t> v(static_cast<size_t>(rows * width));
+  std::uniform_int_distribution<int64_t> slot(0, num_slots - 1);
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const int32_t bad[] = {-1, -7, static_cast<int32_t>(num_slots), static_cast<int32_t>(num_slots + 12345),
+                         std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()};
+  for (auto& x : v) {
+    x = u(rng) < invalid_fraction ? bad[static_cast<int>(u(rng) * 6) % 6] : static_cast<int32_t>(slot(rng));
+  }
+  return v;
+}
+
+DeviceProblem make_problem(const Problem& pr, HostCache* main, HostCache* extra, uint64_t seed) {
+  DeviceProblem d;
+  d.pr = pr;
+  d.f = &format_traits(pr.format);
+  d.main = main;
+  d.extra = extra;
+  std::mt19937_64 rng(seed);
+  for (int s = 0; s < pr.index_sets; ++s) {
+    d.indices.push_back(random_indices(pr.num_tokens, pr.topk, main->view.num_slots(), pr.invalid_fraction, rng));
+    if (pr.extra_topk > 0) {
+      d.extra_indices.push_back(
+          random_indices(pr.num_tokens, pr.extra_topk, extra->view.num_slots(), pr.invalid_fraction, rng));
+    }
+  }
+  std::uniform_int_distribution<int> len(0, pr.topk + 3);
+  if (pr.with_topk_length) {
+    for (int64_t t = 0; t < pr.num_tokens; ++t) d.topk_length.push_back(t == 0 ? pr.topk : (t == 1 ? 0 : len(rng) - 2));
+    if (pr.extra_topk > 0) {
+      std::uniform_int_distribution<int> elen(-1, pr.extra_topk + 2);
+      for (int64_t t = 0; t < pr.num_tokens; ++t) d.extra_topk_length.push_back(t == 1 ? 0 : elen(rng));
+    }
+  }
+  if (pr.with_sink) {
+    std::normal_distribution<float> normal(1.0f, 2.0f);
+    for (int h = 0; h < pr.num_heads; ++h) d.sink.push_back(normal(rng));
+    d.sink[0] = std::numeric_limits<float>::infinity();
+    if (pr.num_heads > 1) d.sink[1] = -std::numeric_limits<float>::infinity();
+  }
+  d.q.resize(static_cast<size_t>(pr.num_tokens * pr.num_heads * d.f->d_qk));
+  {
+    const int threads = std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::thread> pool;
+    for (int w = 0; w < threads; ++w) {
+      pool.emplace_back([&, w] {
+        std::mt19937_64 local(seed * 7919 + w);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (size_t i = w; i < d.q.size(); i += threads) d.q[i] = float_to_bf16(normal(local));
+      });
+    }
+    for (auto& t : pool) t.join();
+  }
+  d.valid_tokens = pr.valid_tokens < 0 ? static_cast<int32_t>(pr.num_tokens) : pr.valid_tokens;
+
+  for (auto& v : d.indices) d.d_indices.push_back(to_device(v));
+  for (auto& v : d.extra_indices) d.d_extra_indices.push_back(to_device(v));
+  d.d_topk_length = to_device(d.topk_length);
+  d.d_extra_topk_length = to_device(d.extra_topk_length);
+  d.d_valid = to_device(std::vector<int32_t>{d.valid_tokens});
+  d.d_sink = to_device(d.sink);
+  d.d_q = to_device(d.q);
+  CHECK_CUDA(cudaMalloc(&d.d_out, pr.num_tokens * pr.num_heads * d.f->d_v * 2));
+  CHECK_CUDA(cudaMalloc(&d.d_lse, pr.num_tokens * pr.num_heads * 4));
+  return d;
+}
+
+AttentionParams attention_params(const DeviceProblem& d, int set) {
+  AttentionParams a;
+  a.q = d.d_q;
+  a.num_tokens = d.pr.num_tokens;
+  a.num_heads = d.pr.num_heads;
+  a.main.cache = d.main->device_view();
+  a.main.indices = d.d_indices[set];
+  a.main.topk = d.pr.topk;
+  a.main.topk_length = d.d_topk_length;
+  a.main.max_candidates = d.f->max_candidates;
+  if (d.pr.extra_topk > 0) {
+    a.extra.cache = d.extra->device_view();
+    a.extra.indices = d.d_extra_indices[set];
+    a.extra.topk = d.pr.extra_topk;
+    a.extra.topk_length = d.d_extra_topk_length;
+    a.extra.max_candidates = d.f->max_candidates;
+  }
+  a.attn_sink = d.d_sink;
+  a.valid_tokens = d.d_valid;
+  a.sm_scale = d.pr.sm_scale;
+  a.out = d.d_out;
+  a.lse = d.d_lse;
+  return a;
+}
+
+struct Plan {
+  int variant;  // 1 decode, 2 prefill
+  int heads_per_block;
+  int num_splits = 1;
+  int split_size = 0;
+  std::string text() const {
+    return (variant == 1 ? "decode hpb=" : "prefill hpb=") + std::to_string(heads_per_block) +
+           (variant == 1 ? " splits=" + std::to_string(num_splits) + "x" + std::to_string(split_size) : "");
+  }
+};
+
+// Mirrors ffi/cuda_handlers.cu (after its checks).
+void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
+  const portable::KernelInfo* kernel = portable::find_kernel(d.pr.format, plan.heads_per_block);
+  if (kernel == nullptr) {
+    std::fprintf(stderr, "no kernel for %s hpb=%d\n", d.pr.name.c_str(), plan.heads_per_block);
+    std::exit(2);
+  }
+  cuda::SplitKvParams p;
+  p.attn = attention_params(d, set);
+  p.num_head_tiles = (d.pr.num_heads + plan.heads_per_block - 1) / plan.heads_per_block;
+  const bool decode = plan.variant == 1;
+  p.num_splits = decode ? plan.num_splits : 1;
+  p.split_size = decode ? plan.split_size : d.pr.topk + d.pr.extra_topk;
+  if (decode) {
+    const size_t bytes = cuda::SplitWorkspace::bytes(plan.num_splits, d.pr.num_tokens, d.pr.num_heads, d.f->d_v);
+    if (bytes > d.workspace_bytes) {
+      if (d.d_workspace) CHECK_CUDA(cudaFree(d.d_workspace));
+      CHECK_CUDA(cudaMalloc(&d.d_workspace, bytes));
+      // Poison: a read of an unwritten partial would show as NaN.
+      CHECK_CUDA(cudaMemset(d.d_workspace, 0xff, bytes));
+      d.workspace_bytes = bytes;
+    }
+    p.workspace = cuda::SplitWorkspace::carve(d.d_workspace, plan.num_splits, d.pr.num_tokens, d.pr.num_heads, d.f->d_v);
+  }
+  CHECK_CUDA(kernel->launch(p, stream));
+  if (decode) {
+    cuda::CombineParams c;
+    c.workspace = p.workspace;
+    c.num_splits = plan.num_splits;
+    c.num_tokens = d.pr.num_tokens;
+    c.num_heads = d.pr.num_heads;
+    c.attn_sink = p.attn.attn_sink;
+    c.valid_tokens = p.attn.valid_tokens;
+    c.out = p.attn.out;
+    c.lse = p.attn.lse;
+    CHECK_CUDA(cuda::launch_combine(c, d.f->d_v, stream));
+  }
+}
+
+// ---------------------------------------------------------------- float64 reference
+struct Errors {
+  double max_abs = 0, max_ref = 0, sq_err = 0, sq_ref = 0, max_lse = 0;
+  int64_t bad = 0;  // NaN, unwritten, ±inf mismatch, or padding rows not empty
+  std::string first_bad;
+  void note_bad(const std::string& what) {
+    if (bad++ == 0) first_bad = what;
+  }
+  bool ok() const {
+    const double rel_l2 = sq_ref > 0 ? std::sqrt(sq_err / sq_ref) : std::sqrt(sq_err);
+    return bad == 0 && max_abs <= 2e-2 * std::max(1.0, max_ref) && rel_l2 <= 1e-2 && max_lse <= 1e-3;
+  }
+  double rel_l2() const { return sq_ref > 0 ? std::sqrt(sq_err / sq_ref) : std::sqrt(sq_err); }
+};
+
+void collect(const CandidateList& list, int64_t t, std::vector<std::pair<const CacheView*, int64_t>>& out) {
+  if (list.topk == 0) return;
+  const int32_t n = list.row_length(t);
+  for (int32_t j = 0; j < n; ++j) {
+    const int64_t s = list.slot(t, j);
+    if (s >= 0) out.push_back({&list.cache, s});
+  }
+}
+
+// Checks rows `tokens` of the device result against the float64 reference (index set `set`).
+Errors check(const DeviceProblem& d, int set, const std::vector<int64_t>& tokens) {
+  const Problem& pr = d.pr;
+  const FormatTraits& f = *d.f;
+  const int64_t T = pr.num_tokens;
+  std::vector<uint16_t> out(static_cast<size_t>(T * pr.num_heads * f.d_v));
+  std::vector<float> lse(static_cast<size_t>(T * pr.num_heads));
+  CHECK_CUDA(cudaMemcpy(out.data(), d.d_out, out.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(lse.data(), d.d_lse, lse.size() * 4, cudaMemcpyDeviceToHost));
+
+  CandidateList main;
+  main.cache = d.main->view;
+  main.indices = d.indices[set].data();
+  main.topk = pr.topk;
+  main.topk_length = d.topk_length.empty() ? nullptr : d.topk_length.data();
+  main.max_candidates = f.max_candidates;
+  CandidateList extra;
+  if (pr.extra_topk > 0) {
+    extra.cache = d.extra->view;
+    extra.indices = d.extra_indices[set].data();
+    extra.topk = pr.extra_topk;
+    extra.topk_length = d.extra_topk_length.empty() ? nullptr : d.extra_topk_length.data();
+    extra.max_candidates = f.max_candidates;
+  }
+
+  std::vector<Errors> per_token(tokens.size());
+  std::vector<std::thread> pool;
+  const int threads = std::max(1u, std::thread::hardware_concurrency());
+  for (int w = 0; w < threads; ++w) {
+    pool.emplace_back([&, w] {
+      std::vector<std::pair<const CacheView*, int64_t>> cands;
+      std::vector<float> keys;
+      std::vector<double> scores, acc(f.d_v);
+      for (size_t ti = w; ti < tokens.size(); ti += threads) {
+        const int64_t t = tokens[ti];
+        Errors& e = per_token[ti];
+        if (t >= d.valid_tokens) {
+          for (int h = 0; h < pr.num_heads; ++h) {
+            for (int i = 0; i < f.d_v; ++i) {
+              if (out[(t * pr.num_heads + h) * f.d_v + i] != 0) e.note_bad("padding row out != 0");
+            }
+            if (lse[t * pr.num_heads + h] != -std::numeric_limits<float>::infinity()) e.note_bad("padding row lse");
+          }
+          continue;
+        }
+        cands.clear();
+        collect(main, t, cands);
+        collect(extra, t, cands);
+        const size_t n = cands.size();
+        keys.resize(n * f.d_qk);
+        for (size_t j = 0; j < n; ++j) dequantize_row(f, *cands[j].first, cands[j].second, keys.data() + j * f.d_qk);
+        scores.resize(n);
+        for (int h = 0; h < pr.num_heads; ++h) {
+          const uint16_t* q = d.q.data() + (t * pr.num_heads + h) * f.d_qk;
+          double mx = d.sink.empty() ? -kInf : d.sink[h];
+          for (size_t j = 0; j < n; ++j) {
+            double s = 0;
+            const float* k = keys.data() + j * f.d_qk;
+            for (int i = 0; i < f.d_qk; ++i) s += static_cast<double>(bf16_to_float(q[i])) * k[i];
+            scores[j] = static_cast<double>(pr.sm_scale) * s;
+            mx = std::max(mx, scores[j]);
+          }
+          double ref_lse;
+          std::fill(acc.begin(), acc.end(), 0.0);
+          if (mx == -kInf) {
+            ref_lse = -kInf;
+          } else if (mx == kInf) {
+            ref_lse = kInf;
+          } else {
+            double total = d.sink.empty() ? 0.0 : std::exp(static_cast<double>(d.sink[h]) - mx);
+            for (size_t j = 0; j < n; ++j) total += std::exp(scores[j] - mx);
+            ref_lse = mx + std::log(total);
+            for (size_t j = 0; j < n; ++j) {
+              const double w = std::exp(scores[j] - ref_lse);
+              const float* v = keys.data() + j * f.d_qk;
+              for (int i = 0; i < f.d_v; ++i) acc[i] += w * v[i];
+            }
+          }
+          const float got_lse = lse[t * pr.num_heads + h];
+          if (std::isnan(got_lse)) {
+            e.note_bad("lse NaN/unwritten at t=" + std::to_string(t) + " h=" + std::to_string(h));
+          } else if (std::isinf(ref_lse) || std::isinf(got_lse)) {
+            if (static_cast<double>(got_lse) != ref_lse) {
+              e.note_bad("lse inf mismatch at t=" + std::to_string(t) + " h=" + std::to_string(h) + " got " +
+                         std::to_string(got_lse) + " ref " + std::to_string(ref_lse));
+            }
+          } else {
+            e.max_lse = std::max(e.max_lse, std::fabs(got_lse - ref_lse));
+          }
+          for (int i = 0; i < f.d_v; ++i) {
+            const float got = bf16_to_float(out[(t * pr.num_heads + h) * f.d_v + i]);
+            if (std::isnan(got)) {
+              e.note_bad("out NaN/unwritten at t=" + std::to_string(t) + " h=" + std::to_string(h));
+              continue;
+            }
+            const double err = std::fabs(got - acc[i]);
+            e.max_abs = std::max(e.max_abs, err);
+            e.max_ref = std::max(e.max_ref, std::fabs(acc[i]));
+            e.sq_err += err * err;
+            e.sq_ref += acc[i] * acc[i];
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  Errors total;
+  for (const Errors& e : per_token) {
+    total.max_abs = std::max(total.max_abs, e.max_abs);
+    total.max_ref = std::max(total.max_ref, e.max_ref);
+    total.max_lse = std::max(total.max_lse, e.max_lse);
+    total.sq_err += e.sq_err;
+    total.sq_ref += e.sq_ref;
+    if (e.bad > 0 && total.bad == 0) total.first_bad = e.first_bad;
+    total.bad += e.bad;
+  }
+  return total;
+}
+
+void poison(DeviceProblem& d) {
+  CHECK_CUDA(cudaMemset(d.d_out, 0xff, d.pr.num_tokens * d.pr.num_heads * d.f->d_v * 2));
+  CHECK_CUDA(cudaMemset(d.d_lse, 0xff, d.pr.num_tokens * d.pr.num_heads * 4));
+}
+
+std::vector<int64_t> all_tokens(int64_t T) {
+  std::vector<int64_t> v(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) v[t] = t;
+  return v;
+}
+
+struct Row {
+  std::string name, plan;
+  Errors errors;
+  bool deterministic = true;
+  double micros = 0;
+  double tflops = 0;
+};
+std::vector<Row> g_rows;
+bool g_failed = false;
+
+// Runs, checks and (when reps > 0) times one plan of one problem.
+void run_case(DeviceProblem& d, const Plan& plan, const std::vector<int64_t>& tokens, int reps) {
+  Row row;
+  row.name = d.pr.name;
+  row.plan = plan.text();
+  poison(d);
+  launch(d, plan, 0, nullptr);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  row.errors = check(d, 0, tokens);
+  // Determinism: a second run must give identical bits.
+  std::vector<uint16_t> first(static_cast<size_t>(d.pr.num_tokens * d.pr.num_heads * d.f->d_v));
+  CHECK_CUDA(cudaMemcpy(first.data(), d.d_out, first.size() * 2, cudaMemcpyDeviceToHost));
+  poison(d);
+  launch(d, plan, 0, nullptr);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<uint16_t> second(first.size());
+  CHECK_CUDA(cudaMemcpy(second.data(), d.d_out, second.size() * 2, cudaMemcpyDeviceToHost));
+  row.deterministic = first == second;
+
+  if (reps > 0) {
+    constexpr int kCallsPerBatch = 8;
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    for (int w = 0; w < 3; ++w) launch(d, plan, w % d.pr.index_sets, nullptr);
+    std::vector<float> times;
+    for (int r = 0; r < reps; ++r) {
+      CHECK_CUDA(cudaEventRecord(start));
+      for (int c = 0; c < kCallsPerBatch; ++c) launch(d, plan, c % d.pr.index_sets, nullptr);
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      times.push_back(ms * 1000.0f / kCallsPerBatch);
+    }
+    std::sort(times.begin(), times.end());
+    row.micros = times[times.size() / 2];
+    const double flops = 2.0 * d.pr.num_tokens * d.pr.num_heads * (d.pr.topk + d.pr.extra_topk) * (d.f->d_qk + d.f->d_v);
+    row.tflops = flops / (row.micros * 1e-6) / 1e12;
+    CHECK_CUDA(cudaEventDestroy(start));
+    CHECK_CUDA(cudaEventDestroy(stop));
+  }
+  const bool ok = row.errors.ok() && row.deterministic;
+  g_failed |= !ok;
+  std::printf("%-34s %-30s %s max_abs=%.2e (ref %.2f) relL2=%.2e lse=%.2e det=%d bad=%lld %s %s\n", row.name.c_str(),
+              row.plan.c_str(), ok ? "PASS" : "FAIL", row.errors.max_abs, row.errors.max_ref, row.errors.rel_l2(),
+              row.errors.max_lse, row.deterministic ? 1 : 0, static_cast<long long>(row.errors.bad),
+              row.errors.first_bad.c_str(), reps > 0 ? (std::to_string(row.micros) + " us").c_str() : "");
+  std::fflush(stdout);
+  g_rows.push_back(row);
+}
+
+int round_up(int a, int b) { return (a + b - 1) / b * b; }
+
+Plan decode_plan(int hpb, int candidates, int splits) {
+  const int size = round_up((candidates + splits - 1) / splits, portable::split_granule());
+  return Plan{1, hpb, (candidates + size - 1) / size, size};
+}
+
+void release(DeviceProblem& d) {
+  for (auto* p : d.d_indices) cudaFree(p);
+  for (auto* p : d.d_extra_indices) cudaFree(p);
+  cudaFree(d.d_topk_length);
+  cudaFree(d.d_extra_topk_length);
+  cudaFree(d.d_valid);
+  cudaFree(d.d_sink);
+  cudaFree(d.d_q);
+  cudaFree(d.d_out);
+  cudaFree(d.d_lse);
+  cudaFree(d.d_workspace);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const bool sanitize = mode == "--sanitize";
+  const bool quick = mode == "--quick" || sanitize;
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s (sm_%d%d, %d SMs, L2 %d MB)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20);
+  std::printf("kernels:");
+  for (auto* k = portable::kernels_begin(); k != portable::kernels_end(); ++k) {
+    std::printf(" [fmt%d h%d %dthr %dB]", static_cast<int>(k->format), k->heads_per_block, k->threads, k->shared_bytes);
+  }
+  std::printf("\n");
+  const Fp8Table fp8;
+  const int reps = quick ? 0 : 15;
+
+  // ---- dsv3_2: the headline shape, 262144-token pool (172 MB), page 64 ----
+  {
+    const FormatTraits& f = format_traits(FormatId::kDsv32);
+    HostCache cache = build_cache(f, sanitize ? 64 : 4096, 64, 656, 64 * 656, 1, fp8);
+    if (!sanitize) {
+      Problem pr{"dsv3_2 T=8 H=128 k=2048 sink+len", FormatId::kDsv32, 8, 128, 2048, 0, 0.0417f, true, true, 7};
+      DeviceProblem d = make_problem(pr, &cache, nullptr, 11);
+      run_case(d, decode_plan(64, 2048, 4), all_tokens(8), 0);
+      run_case(d, decode_plan(64, 2048, 1), all_tokens(8), 0);
+      run_case(d, Plan{2, 64}, all_tokens(8), 0);
+      run_case(d, decode_plan(16, 2048, 3), all_tokens(8), 0);
+      run_case(d, Plan{2, 16}, all_tokens(8), 0);
+      release(d);
+    }
+    {
+      Problem pr{"dsv3_2 T=5 H=20 k=100 scale=.3", FormatId::kDsv32, 5, 20, 100, 0, 0.3f, false, false, -1, 0.1};
+      DeviceProblem d = make_problem(pr, &cache, nullptr, 12);
+      run_case(d, decode_plan(16, 100, 3), all_tokens(5), 0);
+      run_case(d, Plan{2, 16}, all_tokens(5), 0);
+      run_case(d, Plan{2, 64}, all_tokens(5), 0);
+      run_case(d, decode_plan(64, 100, 4), all_tokens(5), 0);
+      release(d);
+    }
+    {
+      Problem pr{"dsv3_2 T=3 H=1 k=1", FormatId::kDsv32, 3, 1, 1, 0, 0.0417f, false, true, -1, 0.0};
+      DeviceProblem d = make_problem(pr, &cache, nullptr, 13);
+      run_case(d, decode_plan(16, 1, 1), all_tokens(3), 0);
+      run_case(d, Plan{2, 16}, all_tokens(3), 0);
+      release(d);
+    }
+    if (!quick) {
+      Problem pr{"dsv3_2 T=128 H=128 k=2048", FormatId::kDsv32, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+      DeviceProblem d = make_problem(pr, &cache, nullptr, 14);
+      const std::vector<int64_t> sample = {0, 37, 127};
+      run_case(d, decode_plan(64, 2048, 1), sample, reps);
+      run_case(d, decode_plan(64, 2048, 2), sample, reps);
+      run_case(d, Plan{2, 64}, sample, reps);
+      run_case(d, Plan{2, 16}, sample, reps);
+      release(d);
+      Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+      DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
+      for (int splits : {16, 32, 64}) run_case(d1, decode_plan(64, 2048, splits), {0}, reps);
+      run_case(d1, decode_plan(16, 2048, 16), {0}, reps);
+      release(d1);
+      Problem pr64{"dsv3_2 T=64 H=64 k=2048", FormatId::kDsv32, 64, 64, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+      DeviceProblem d64 = make_problem(pr64, &cache, nullptr, 16);
+      run_case(d64, decode_plan(64, 2048, 4), {5}, reps);
+      release(d64);
+      Problem pr16{"dsv3_2 T=128 H=16 k=2048", FormatId::kDsv32, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+      DeviceProblem d16 = make_problem(pr16, &cache, nullptr, 17);
+      run_case(d16, decode_plan(16, 2048, 2), {9}, reps);
+      release(d16);
+      Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
+      DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
+      run_case(dp, Plan{2, 64}, {0, 4095}, 3);
+      run_case(dp, Plan{2, 16}, {0, 4095}, 3);
+      release(dp);
+    }
+    cudaFree(cache.device);
+  }
+
+  // ---- glm_nsa: arbitrary FP32 scales, 2-D pages with a gap ----
+  if (!sanitize) {
+    const FormatTraits& f = format_traits(FormatId::kGlmNsa);
+    HostCache cache = build_cache(f, 64, 64, 656, 64 * 656 + 48, 2, fp8);
+    Problem pr{"glm_nsa T=6 H=64 k=512 gap", FormatId::kGlmNsa, 6, 64, 512, 0, 0.0417f, true, false};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 21);
+    run_case(d, decode_plan(64, 512, 3), all_tokens(6), 0);
+    run_case(d, Plan{2, 64}, all_tokens(6), 0);
+    release(d);
+    cudaFree(cache.device);
+  }
+  // ---- glm53_nope: legacy 656-byte padded rows (padding is 0xff), odd page size ----
+  if (!sanitize) {
+    const FormatTraits& f = format_traits(FormatId::kGlm53Nope);
+    HostCache cache = build_cache(f, 200, 3, 656, 3 * 656, 3, fp8);
+    Problem pr{"glm53_nope T=4 H=16 k=300 pad", FormatId::kGlm53Nope, 4, 16, 300, 0, 0.0442f, false, true};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 31);
+    run_case(d, decode_plan(16, 300, 2), all_tokens(4), 0);
+    run_case(d, Plan{2, 16}, all_tokens(4), 0);
+    release(d);
+    cudaFree(cache.device);
+  }
+  // ---- dsv4: footer pages + extra cache with its own page size ----
+  {
+    const FormatTraits& f = format_traits(FormatId::kDsv4);
+    HostCache cache = build_cache(f, 64, 64, 576, 64 * 584, 4, fp8);
+    HostCache extra = build_cache(f, 100, 2, 576, 2 * 584, 5, fp8);
+    Problem pr{"dsv4 T=5 H=64 k=512+128 len", FormatId::kDsv4, 5, 64, 512, 128, 0.0442f, true, true, 4};
+    DeviceProblem d = make_problem(pr, &cache, &extra, 41);
+    run_case(d, decode_plan(64, 640, 3), all_tokens(5), 0);
+    run_case(d, Plan{2, 64}, all_tokens(5), 0);
+    run_case(d, Plan{2, 16}, all_tokens(5), 0);
+    release(d);
+    cudaFree(cache.device);
+    cudaFree(extra.device);
+  }
+  // ---- dsv4_1: 16 UE8M0 groups of 32, odd page size in the 2-D form (page bytes padded to 16) ----
+  if (!sanitize) {
+    const FormatTraits& f = format_traits(FormatId::kDsv41);
+    HostCache cache = build_cache(f, 300, 3, 512, 3 * 528 + 16, 6, fp8);
+    Problem pr{"dsv4_1 T=4 H=128 k=700", FormatId::kDsv41, 4, 128, 700, 0, 0.0442f, false, true};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 51);
+    run_case(d, decode_plan(64, 700, 5), all_tokens(4), 0);
+    run_case(d, Plan{2, 64}, all_tokens(4), 0);
+    release(d);
+    cudaFree(cache.device);
+  }
+  // ---- dots3_swa: 513-candidate window ----
+  {
+    const FormatTraits& f = format_traits(FormatId::kDots3Swa);
+    HostCache cache = build_cache(f, 64, 64, 1152, 64 * 1160, 7, fp8);
+    Problem pr{"dots3_swa T=4 H=32 k=1024 window", FormatId::kDots3Swa, 4, 32, 1024, 0, 0.0303f, true, false};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 61);
+    run_case(d, decode_plan(32, 1024, 4), all_tokens(4), 0);
+    run_case(d, Plan{2, 32}, all_tokens(4), 0);
+    run_case(d, Plan{2, 16}, all_tokens(4), 0);
+    release(d);
+    Problem pr7{"dots3_swa T=3 H=7 k=600", FormatId::kDots3Swa, 3, 7, 600, 0, 0.0303f, false, true};
+    DeviceProblem d7 = make_problem(pr7, &cache, nullptr, 62);
+    run_case(d7, decode_plan(16, 600, 2), all_tokens(3), 0);
+    release(d7);
+    cudaFree(cache.device);
+  }
+  // ---- bf16 caches ----
+  if (!sanitize) {
+    const FormatTraits& f = format_traits(FormatId::kBf16_576);
+    HostCache cache = build_cache(f, 20000, 1, 1152, 1152, 8, fp8);
+    Problem pr{"bf16_576 T=4 H=64 k=256", FormatId::kBf16_576, 4, 64, 256, 0, 0.0417f, false, true};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 71);
+    run_case(d, decode_plan(64, 256, 2), all_tokens(4), 0);
+    run_case(d, Plan{2, 64}, all_tokens(4), 0);
+    release(d);
+    cudaFree(cache.device);
+    if (!quick) {
+      HostCache big = build_cache(f, 4096, 64, 1152, 64 * 1152, 9, fp8);
+      Problem prp{"bf16_576 prefill T=4096 H=128", FormatId::kBf16_576, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
+      DeviceProblem dp = make_problem(prp, &big, nullptr, 72);
+      run_case(dp, Plan{2, 64}, {1, 4000}, 3);
+      release(dp);
+      cudaFree(big.device);
+    }
+  }
+  {
+    const FormatTraits& f = format_traits(FormatId::kBf16_512);
+    HostCache cache = build_cache(f, 500, 8, 1024, 8 * 1024, 10, fp8);
+    Problem pr{"bf16_512 T=3 H=1 k=77", FormatId::kBf16_512, 3, 1, 77, 0, 0.0442f, true, false};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 81);
+    run_case(d, decode_plan(16, 77, 2), all_tokens(3), 0);
+    run_case(d, Plan{2, 16}, all_tokens(3), 0);
+    release(d);
+    cudaFree(cache.device);
+  }
+
+  std::printf("\n%-34s %-30s %-5s %9s %8s %8s %10s %8s\n", "case", "plan", "ok", "max_abs", "relL2", "lse_err", "us",
+              "TFLOP/s");
+  for (const Row& r : g_rows) {
+    std::printf("%-34s %-30s %-5s %9.2e %8.1e %8.1e %10.1f %8.1f\n", r.name.c_str(), r.plan.c_str(),
+                r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.errors.max_abs, r.errors.rel_l2(),
+                r.errors.max_lse, r.micros, r.tflops);
+  }
+  std::printf("%s\n", g_failed ? "SOME CHECKS FAILED" : "ALL CHECKS PASSED");
+  return g_failed ? 1 : 0;
+}

@@ -1,0 +1,319 @@
+"""GPU tests of the CUDA kernels, against the float64 oracle (skipped without a GPU and the CUDA extension).
+
+Tiers: ``-m gpu`` is the smoke tier (every format, both variants, the masking cases; a few minutes);
+``-m gpu_full`` adds the full matrix of heads × topk × page sizes and the > 4 GiB cache. Tests whose
+names contain ``sanitize`` are the subset run under ``compute-sanitizer --tool memcheck``
+(``benchmarks/gpu_session.sh sanitize``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import cases  # noqa: E402
+import oracle  # noqa: E402
+
+import jax_sparse_mla as jsm  # noqa: E402
+from jax_sparse_mla import _ffi, cuda_config, planner, validate  # noqa: E402
+
+FORMATS = list(jsm.FORMATS)
+VARIANTS = ("decode", "prefill")
+gpu = pytest.mark.gpu
+gpu_full = pytest.mark.gpu_full
+
+
+def _page_size(key, wanted):
+    """``wanted`` if the 3-D form allows it for ``key``, else the next allowed size."""
+    multiple = oracle.min_3d_page_multiple(key)
+    return -(-wanted // multiple) * multiple
+
+
+# ------------------------------------------------------------------------------------------------
+# Smoke tier
+# ------------------------------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS + ("auto",))
+@pytest.mark.parametrize("key", FORMATS)
+def test_every_format_matches_oracle_sanitize(rng, key, impl):
+    case = cases.make_case(rng, key, num_tokens=5, num_heads=16, topk=40, attn_sink=rng.standard_normal(16)
+                           .astype(np.float32))
+    case.check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("heads", [1, 7, 20, 64, 128])
+@pytest.mark.parametrize("key", ["dsv3_2", "dsv4", "dots3_swa", "glm_nsa"])
+def test_head_counts(rng, key, heads, impl):
+    cases.make_case(rng, key, num_tokens=3, num_heads=heads, topk=70).check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("topk", [1, 63, 64, 2048])
+def test_topk_widths_dsv3_2(rng, topk, impl):
+    cases.make_case(rng, "dsv3_2", num_tokens=2, num_heads=16, topk=topk, cache_tokens=4096).check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("key", ["dsv4", "dsv4_1"])
+def test_dual_cache_sanitize(rng, key, impl):
+    case = cases.make_case(rng, key, num_tokens=4, num_heads=16, topk=33, page_size=64,
+                           extra={"page_size": 2, "topk": 45, "cache_tokens": 101},
+                           attn_sink=rng.standard_normal(16).astype(np.float32))
+    case.check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+def test_dots3_window(rng, impl):
+    """Valid candidates at positions >= 513 are ignored: the oracle applies the window too, and a case
+    whose tail candidates are changed gives bitwise the same result."""
+    case = cases.make_case(rng, "dots3_swa", num_tokens=2, num_heads=16, topk=600, topk_length=None,
+                           invalid_fraction=0.0, cache_tokens=2048, poison=False)
+    out, lse, _, _ = case.check(impl)
+    shuffled = case.indices.copy()
+    shuffled[:, 513:] = rng.integers(0, case.main.num_slots, shuffled[:, 513:].shape)
+    out2, lse2 = dataclasses.replace(case, indices=shuffled).run(impl)
+    np.testing.assert_array_equal(out, out2)
+    np.testing.assert_array_equal(lse, lse2)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("sink", [np.inf, -np.inf, 0.5])
+def test_sinks_and_empty_rows(rng, impl, sink):
+    case = cases.make_case(rng, "dsv3_2", num_tokens=4, num_heads=8, topk=20,
+                           attn_sink=np.full(8, sink, np.float32), poison=False)
+    indices = case.indices.copy()
+    indices[1] = -1  # an empty row
+    case = dataclasses.replace(case, indices=indices, topk_length=np.array([20, 20, 0, 25], np.int32))
+    case.poison_unused().check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("valid", [0, 2, 9])
+def test_valid_tokens(rng, impl, valid):
+    case = cases.make_case(rng, "dsv4_1", num_tokens=6, num_heads=16, topk=24,
+                           valid_tokens=np.array(valid, np.int32))
+    case.check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("form", ["2d", "nhd", "hnd"])
+@pytest.mark.parametrize("key", ["dsv3_2", "glm53_nope", "dsv4", "dots3_swa"])
+def test_cache_forms(rng, key, form, impl):
+    cases.make_case(rng, key, num_tokens=3, num_heads=16, topk=30, page_size=_page_size(key, 6), form=form).check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("key,row_bytes", [("dsv3_2", 672), ("glm_nsa", 1024), ("glm53_nope", 656)])
+def test_padded_inline_rows(rng, key, row_bytes, impl):
+    cases.make_case(rng, key, num_tokens=3, num_heads=16, topk=30, row_bytes=row_bytes).check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("page_size", [1, 2, 64])
+@pytest.mark.parametrize("key", ["glm_nsa", "bf16_576", "dsv4_1"])
+def test_page_sizes(rng, key, page_size, impl):
+    cases.make_case(rng, key, num_tokens=3, num_heads=16, topk=50, page_size=_page_size(key, page_size),
+                    cache_tokens=300).check(impl)
+
+
+@gpu
+def test_bf16_two_dimensional_slot_form(rng):
+    case = cases.make_case(rng, "bf16_512", num_tokens=3, num_heads=16, topk=30, page_size=1, cache_tokens=200)
+    flat = case.main.array.reshape(-1, 512)
+    case = dataclasses.replace(case, main=dataclasses.replace(case.main, array=flat))
+    for impl in VARIANTS:
+        case.check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+def test_deterministic_over_ten_runs(rng, impl):
+    case = cases.make_case(rng, "glm_nsa", num_tokens=8, num_heads=64, topk=512, cache_tokens=4096)
+    first = case.run(impl)
+    for _ in range(9):
+        again = case.run(impl)
+        np.testing.assert_array_equal(first[0], again[0])
+        np.testing.assert_array_equal(first[1], again[1])
+
+
+@gpu
+def test_batch_invariant_token_output_does_not_depend_on_batch(rng):
+    case = cases.make_case(rng, "dsv3_2", num_tokens=64, num_heads=16, topk=600, cache_tokens=8192,
+                           topk_length=None, invalid_fraction=0.0, poison=False)
+    q, cache, indices = jnp.asarray(case.q), jnp.asarray(case.main.array), jnp.asarray(case.indices)
+    run = jax.jit(lambda q, i: jsm.sparse_mla(q, cache, i, kv_format="dsv3_2", sm_scale=0.05,
+                                              batch_invariant=True))
+    full = run(q, indices)
+    for rows in (1, 5, 17):
+        part = run(q[:rows], indices[:rows])
+        np.testing.assert_array_equal(np.asarray(part[0]), np.asarray(full[0][:rows]))
+        np.testing.assert_array_equal(np.asarray(part[1]), np.asarray(full[1][:rows]))
+
+
+@gpu
+def test_kernel_configs_match_cuda_config():
+    compiled = _ffi.cuda_kernel_configs()
+    assert compiled["split_granule"] == cuda_config.SPLIT_GRANULE
+    assert compiled["variants"] == cuda_config.VARIANTS
+    assert compiled["min_compute_capability"] == cuda_config.MIN_COMPUTE_CAPABILITY
+    keys = {f.id: f.key for f in jsm.FORMATS.values()}
+    table = {(keys[k["kv_format"]], k["heads_per_block"]): (k["threads"], k["candidate_tile"], k["shared_bytes"])
+             for k in compiled["kernels"]}
+    assert table == {k: tuple(v) for k, v in cuda_config.KERNELS.items()}
+
+
+def _problem_and_plan(rng, **plan_changes):
+    case = cases.make_case(rng, "dsv3_2", num_tokens=2, num_heads=16, topk=64, poison=False)
+    q, cache, indices = jnp.asarray(case.q), jnp.asarray(case.main.array), jnp.asarray(case.indices)
+    problem = validate.normalize(q, cache, indices, kv_format="dsv3_2", sm_scale=0.1)
+    plan = planner.plan(q.shape, "dsv3_2", 64, platform="cuda", impl="decode")
+    return problem, dataclasses.replace(plan, **plan_changes), (q, cache, indices)
+
+
+@gpu
+@pytest.mark.parametrize("changes,match", [
+    (dict(heads_per_block=48), "heads_per_block"),
+    (dict(split_size=24), "split_size"),
+    (dict(workspace_bytes=16), "workspace"),
+    (dict(min_sm_count=100000), "min_sm_count"),
+])
+def test_handler_rechecks_plan_attributes(rng, changes, match):
+    problem, plan, (q, cache, indices) = _problem_and_plan(rng, **changes)
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(jax.jit(lambda q, c, i: _ffi.call(plan, problem, q, c, i, None, None, None, None, None,
+                                                                 jnp.int32(2)))(q, cache, indices))
+
+
+@gpu
+def test_zero_tokens_launches_nothing():
+    q = jnp.zeros((0, 16, 576), jnp.bfloat16)
+    cache = jnp.zeros((2, 64, 656), jnp.uint8)
+    out, lse = jsm.sparse_mla(q, cache, jnp.zeros((0, 8), jnp.int32), kv_format="dsv3_2", sm_scale=0.1)
+    assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
+
+
+# A jitted decode step in a subprocess (XLA flags must precede backend start): command buffers on with
+# the smallest graph size, buffers donated so their addresses stay put. Each of 100 replays gets fresh
+# q/index values written into the same buffers by the step itself; every result must match the oracle,
+# and the handler must not run on the host for replays.
+_REPLAY_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    sys.path[:0] = {paths!r}
+    import oracle
+    import jax_sparse_mla as jsm
+    from jax_sparse_mla import _ffi
+    rng = np.random.default_rng(7)
+    key, T, H, K = "dsv3_2", 4, 16, 96
+    kv = rng.standard_normal((1024, 576)).astype(np.float32)
+    pages = oracle.quantize(kv, key, 64)
+    keys = oracle.decode(pages, key)
+    cache = jnp.asarray(pages)
+
+    def step(q, indices, seed):
+        out, lse = jsm.sparse_mla(q, cache, indices, kv_format=key, sm_scale=0.06, impl="decode")
+        k1, k2 = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(0), seed))
+        next_q = jax.random.normal(k1, q.shape, jnp.float32).astype(jnp.bfloat16)
+        next_indices = jax.random.randint(k2, indices.shape, -8, 1024 + 8, jnp.int32)
+        return out, lse, next_q, next_indices, seed + 1
+
+    run = jax.jit(step, donate_argnums=(0, 1, 2))
+    q = jnp.asarray(rng.standard_normal((T, H, 576)), jnp.bfloat16)
+    indices = jnp.asarray(rng.integers(0, 1024, (T, K)), jnp.int32)
+    seed = jnp.int32(0)
+    worst, invocations = 0.0, []
+    for i in range(100):
+        q_host, idx_host = np.asarray(q), np.asarray(indices)
+        out, lse, q, indices, seed = run(q, indices, seed)
+        ref_out, ref_lse = oracle.attention(q_host, [oracle.CandidateSource(keys, idx_host, None)], key=key,
+                                            sm_scale=0.06)
+        oracle.check_accuracy(np.asarray(out), np.asarray(lse), ref_out, ref_lse)
+        worst = max(worst, float(np.abs(np.asarray(out, np.float64) - ref_out).max()))
+        invocations.append(_ffi.cuda_handler_invocations())
+    print(json.dumps({{"worst": worst, "invocations": invocations}}))
+""")
+
+
+@gpu
+def test_command_buffer_replay_follows_fresh_inputs(tmp_path):
+    script = tmp_path / "replay.py"
+    paths = [os.path.dirname(os.path.dirname(__file__))] + [p for p in sys.path if p]
+    script.write_text(_REPLAY_SCRIPT.format(paths=paths))
+    env = dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                                      "--xla_gpu_graph_min_graph_size=1")
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    calls = report["invocations"]
+    # Captured once (plus at most a re-capture); the remaining replays never re-enter the handler.
+    assert calls[-1] - calls[1] <= 2, calls
+    assert report["worst"] < 0.1
+
+
+# ------------------------------------------------------------------------------------------------
+# Full tier
+# ------------------------------------------------------------------------------------------------
+
+@gpu_full
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("topk", [1, 63, 64, 2048])
+@pytest.mark.parametrize("heads", [1, 8, 16, 64, 128])
+@pytest.mark.parametrize("key", FORMATS)
+def test_full_matrix(rng, key, heads, topk, impl):
+    cases.make_case(rng, key, num_tokens=2, num_heads=heads, topk=topk, cache_tokens=max(300, topk + 64),
+                    attn_sink=rng.standard_normal(heads).astype(np.float32)).check(impl)
+
+
+@gpu_full
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("page_size", [1, 2, 64])
+@pytest.mark.parametrize("key", FORMATS)
+def test_full_page_sizes(rng, key, page_size, impl):
+    form = "3d" if page_size % oracle.min_3d_page_multiple(key) == 0 else "2d"
+    cases.make_case(rng, key, num_tokens=3, num_heads=16, topk=64, page_size=page_size, form=form,
+                    cache_tokens=260).check(impl)
+
+
+@gpu_full
+@pytest.mark.parametrize("impl", VARIANTS)
+def test_cache_over_4_gib(rng, impl):
+    """Indices into the last pages of a > 4 GiB cache give bitwise the result of the same rows in a
+    small cache (64-bit byte offsets), and that result matches the oracle."""
+    key, page_size, heads, topk = "dsv3_2", 64, 16, 64
+    num_pages = (4 * 2**30) // (page_size * 656) + 64
+    small = cases.make_case(rng, key, num_tokens=3, num_heads=heads, topk=topk, cache_tokens=256,
+                            topk_length=None, invalid_fraction=0.0, poison=False)
+    small.check(impl)
+    big = jnp.zeros((num_pages, page_size, 656), jnp.uint8)
+    assert big.size > 4 * 2**30
+    offset = (num_pages - 4) * page_size  # the rows sit in the last 4 pages
+    big = jax.jit(lambda big, src: jax.lax.dynamic_update_slice(big, src, (num_pages - 4, 0, 0)),
+                  donate_argnums=0)(big, jnp.asarray(small.main.array[:4]))
+    indices = jnp.asarray(small.indices + offset)
+    run = jax.jit(lambda q, c, i: jsm.sparse_mla(q, c, i, kv_format=key, sm_scale=small.sm_scale, impl=impl))
+    out_big = run(jnp.asarray(small.q), big, indices)
+    out_small = run(jnp.asarray(small.q), jnp.asarray(small.main.array), jnp.asarray(small.indices))
+    np.testing.assert_array_equal(np.asarray(out_big[0]), np.asarray(out_small[0]))
+    np.testing.assert_array_equal(np.asarray(out_big[1]), np.asarray(out_small[1]))
