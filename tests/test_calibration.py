@@ -1,0 +1,191 @@
+"""The calibration file (SPEC §6) and the planner's use of it; no GPU needed."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_sparse_mla as jsm
+from jax_sparse_mla import calibration, planner
+
+DEVICE = planner.DeviceInfo(name="Test GPU 9000", platform="cuda", arch=90, sm_count=132,
+                            l2_bytes=60 << 20, smem_per_block=227 << 10)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibration.ENV_CACHE_DIR, str(tmp_path))
+    planner.clear_cache()
+    yield tmp_path
+    planner.clear_cache()
+
+
+def _write(path, payload):
+    path.write_text(payload if isinstance(payload, str) else json.dumps(payload))
+    # Make the change token differ even within one mtime tick.
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 1_000_000))
+
+
+def test_directory_override_by_environment(cache_dir):
+    assert calibration.calibration_path() == cache_dir / "calibration.json"
+
+
+def test_missing_file_means_no_constants(cache_dir):
+    assert calibration.device_constants("anything") is None
+    assert calibration.load() == {}
+
+
+def test_store_then_read_back(cache_dir):
+    calibration.store("A", {"block_us": 1.5})
+    calibration.store("B", {"block_us": 2.5})
+    assert calibration.device_constants("A") == {"block_us": 1.5}
+    assert calibration.device_constants("B") == {"block_us": 2.5}
+    data = json.loads(calibration.calibration_path().read_text())
+    assert data["schema"] == calibration.SCHEMA_VERSION
+    assert set(data["devices"]) == {"A", "B"}
+    leftovers = [p for p in cache_dir.iterdir() if p.name.startswith(".calibration.")]
+    assert leftovers == [], "atomic write left a temporary file"
+
+
+@pytest.mark.parametrize("payload", ["{not json", json.dumps([1, 2]), json.dumps({"schema": 0, "devices": {}}),
+                                     json.dumps({"schema": calibration.SCHEMA_VERSION + 1,
+                                                 "devices": {"A": {"constants": {"block_us": 9}}}})])
+def test_corrupt_or_other_schema_is_ignored(cache_dir, payload):
+    _write(calibration.calibration_path(), payload)
+    assert calibration.device_constants("A") is None
+
+
+def test_stale_file_is_not_reparsed_until_it_changes(cache_dir, monkeypatch):
+    path = calibration.calibration_path()
+    _write(path, {"schema": 0, "devices": {"A": {"constants": {"block_us": 9}}}})
+    parses = []
+    real_parse = calibration._parse
+    monkeypatch.setattr(calibration, "_parse", lambda text: parses.append(1) or real_parse(text))
+    for _ in range(5):
+        assert calibration.device_constants("A") is None
+    assert len(parses) == 1, "a stale file must be remembered by its change token"
+    _write(path, {"schema": calibration.SCHEMA_VERSION, "devices": {"A": {"constants": {"block_us": 3}}}})
+    assert calibration.device_constants("A") == {"block_us": 3}
+    assert len(parses) == 2
+
+
+def test_changed_file_is_reread(cache_dir):
+    calibration.store("A", {"block_us": 1.0})
+    assert calibration.device_constants("A") == {"block_us": 1.0}
+    calibration.store("A", {"block_us": 7.0})
+    assert calibration.device_constants("A") == {"block_us": 7.0}
+
+
+def test_store_replaces_an_old_schema_file(cache_dir):
+    _write(calibration.calibration_path(), {"schema": 0, "devices": {"old": {}}})
+    calibration.store("A", {"block_us": 1.0})
+    data = json.loads(calibration.calibration_path().read_text())
+    assert data["schema"] == calibration.SCHEMA_VERSION and set(data["devices"]) == {"A"}
+
+
+def _writer(args):
+    directory, name, count = args
+    os.environ[calibration.ENV_CACHE_DIR] = directory
+    for i in range(count):
+        calibration.store(f"{name}-{i % 3}", {"block_us": float(i)})
+    return name
+
+
+def test_two_processes_writing_at_once(cache_dir):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        assert sorted(pool.map(_writer, [(str(cache_dir), "p", 40), (str(cache_dir), "q", 40)])) == ["p", "q"]
+    data = json.loads(calibration.calibration_path().read_text())
+    assert data["schema"] == calibration.SCHEMA_VERSION
+    assert set(data["devices"]) == {f"{n}-{i}" for n in "pq" for i in range(3)}, "an update was lost"
+
+
+def test_calibrate_refuses_inside_a_trace(cache_dir):
+    def traced(x):
+        calibration.calibrate()
+        return x
+
+    with pytest.raises(RuntimeError, match="inside a jax.jit trace"):
+        jax.jit(traced)(jnp.zeros(()))
+
+
+@pytest.mark.skipif(jsm.cuda_available(), reason="checks the error without the CUDA extension")
+def test_calibrate_needs_the_cuda_extension(cache_dir):
+    with pytest.raises(RuntimeError, match="CUDA extension"):
+        calibration.calibrate()
+
+
+def test_planner_uses_calibrated_constants(cache_dir):
+    shape, topk = (16, 128, 576), 2048
+    default = jsm.plan(shape, "dsv3_2", topk, platform="cuda", device=DEVICE)
+    assert "default constants" in default.describe()
+    # A device with free conversion and no fixed costs: every extra block is free, so the small head
+    # tile in one pass wins, unlike the default constants' choice.
+    constants = {"combine_gbps": 1e6, "block_us": 0.0, "launch_us": 0.0, "dequant_ns": 0.0}
+    calibration.store(DEVICE.name, constants)
+    calibrated = jsm.plan(shape, "dsv3_2", topk, platform="cuda", device=DEVICE)
+    assert "calibrated constants" in calibrated.describe()
+    choice = lambda p: (p.variant, p.heads_per_block, p.num_splits)  # noqa: E731
+    assert choice(calibrated) != choice(default)
+    model = planner.CostModel.from_dict(constants)
+    blocks = 16 * (128 // calibrated.heads_per_block) * calibrated.num_splits
+    expected = model.kernel_us(blocks, calibrated.split_size, calibrated.heads_per_block, DEVICE.sm_count)
+    if calibrated.variant == "decode":
+        expected += model.combine_us(calibrated.num_splits, 16, 128, 512)
+    assert calibrated.predicted_us == pytest.approx(expected)
+    # A changed file is picked up by the next trace without clearing anything.
+    calibration.store(DEVICE.name, {"combine_gbps": 1.0})
+    slow_combine = jsm.plan(shape, "dsv3_2", topk, platform="cuda", device=DEVICE)
+    assert slow_combine.variant == "prefill"
+
+
+def test_plan_is_memoised_and_immutable(cache_dir):
+    a = jsm.plan((8, 64, 576), "dsv3_2", 2048, platform="cuda", device=DEVICE)
+    b = jsm.plan((8, 64, 576), "dsv3_2", 2048, platform="cuda", device=DEVICE)
+    assert a is b
+    with pytest.raises(Exception):
+        a.num_splits = 3
+
+
+@pytest.mark.parametrize("key", ["dsv3_2", "dsv4", "dots3_swa"])
+def test_default_model_routes_few_tokens_to_split_decode_and_many_to_prefill(cache_dir, key):
+    fmt = jsm.get_format(key)
+    few = jsm.plan((1, 128, fmt.d_qk), key, 2048, platform="cuda", device=DEVICE)
+    many = jsm.plan((4096, 128, fmt.d_qk), key, 2048, platform="cuda", device=DEVICE)
+    assert few.variant == "decode" and few.num_splits > 1 and few.workspace_bytes > 0
+    assert many.variant == "prefill" and many.workspace_bytes == 0
+    assert few.predicted_us < many.predicted_us
+
+
+def test_forced_variants_and_batch_invariance(cache_dir):
+    shape = (1024, 128, 576)
+    assert jsm.plan(shape, "dsv3_2", 2048, platform="cuda", device=DEVICE, impl="decode").variant == "decode"
+    assert jsm.plan((1, 16, 576), "dsv3_2", 2048, platform="cuda", device=DEVICE, impl="prefill").variant == "prefill"
+    sizes = {jsm.plan((t, 16, 576), "dsv3_2", 2048, platform="cuda", device=DEVICE, batch_invariant=True).split_size
+             for t in (1, 7, 64, 4096)}
+    tiles = {jsm.plan((t, 16, 576), "dsv3_2", 2048, platform="cuda", device=DEVICE,
+                      batch_invariant=True).heads_per_block for t in (1, 7, 64, 4096)}
+    assert len(sizes) == 1 and len(tiles) == 1
+    with pytest.raises(ValueError, match="batch_invariant"):
+        jsm.plan(shape, "dsv3_2", 2048, platform="cuda", device=DEVICE, impl="prefill", batch_invariant=True)
+
+
+def test_cuda_plans_respect_the_kernel_contract(cache_dir):
+    from jax_sparse_mla import cuda_config
+
+    for key, fmt in jsm.FORMATS.items():
+        for t in (1, 3, 64, 1000):
+            for h in (1, 16, 20, 64, 128):
+                for topk in (1, 63, 2048):
+                    p = jsm.plan((t, h, fmt.d_qk), key, topk, platform="cuda", device=DEVICE)
+                    assert p.heads_per_block in cuda_config.HEAD_TILES[key]
+                    if p.variant == "decode":
+                        assert p.split_size % cuda_config.SPLIT_GRANULE == 0
+                        assert p.num_splits * p.split_size >= topk
+                        assert (p.num_splits - 1) * p.split_size < topk  # no empty split
+                        assert p.workspace_bytes == cuda_config.workspace_bytes(p.num_splits, t, h, fmt.d_v)
