@@ -176,6 +176,9 @@ def _lower(problem, arrays):
         if not _ffi.cuda_available():
             raise ValueError(f"impl: {problem.impl!r} needs the CUDA extension, which is not available "
                              f"({_ffi.cuda_import_error()}); use impl='auto' or 'xla'")
+        if jax.default_backend() != "gpu":
+            raise ValueError(f"impl: {problem.impl!r} selects a CUDA kernel, but the default backend is "
+                             f"{jax.default_backend()!r}; use impl='auto' or 'xla'")
         return lower_for("cuda")(*operands)
     if jax.default_backend() == "gpu" and not _ffi.cuda_available():
         raise ValueError("impl: 'auto' on a GPU backend needs the CUDA extension, which is not available "

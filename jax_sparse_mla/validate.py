@@ -107,6 +107,9 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
     sm_scale = float(sm_scale)
     if not isinstance(batch_invariant, (bool, np.bool_)):
         raise TypeError(f"batch_invariant: expected a bool, got {_describe(batch_invariant)}")
+    if batch_invariant and impl == "xla":
+        raise ValueError("batch_invariant: True is served by the FFI kernels (impl='auto' or 'decode'); "
+                         "impl='xla' leaves the reduction order to XLA, got impl='xla'")
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite float, got {sm_scale}")
 

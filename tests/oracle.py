@@ -336,11 +336,10 @@ def poison(cache: np.ndarray, key: str, keep_slots, page_size: Optional[int] = N
     geom = geometry(cache.shape, key, page_size)
     out = np.ascontiguousarray(cache).copy()
     raw = cache_bytes(out)
-    keep = set(int(s) for s in np.asarray(keep_slots).reshape(-1))
-    for slot in range(geom.num_slots):
-        if slot not in keep:
-            for start, stop in slot_byte_ranges(geom, key, slot):
-                raw[start:stop] = 0xFF
+    doomed = np.setdiff1d(np.arange(geom.num_slots), np.asarray(keep_slots, np.int64).reshape(-1))
+    for slot in doomed:
+        for start, stop in slot_byte_ranges(geom, key, slot):
+            raw[start:stop] = 0xFF
     return out
 
 
@@ -374,9 +373,13 @@ class CandidateSource:
 
 
 def attention(q, sources: Sequence[CandidateSource], *, key: str, sm_scale: float, attn_sink=None,
-              valid_tokens=None):
-    """float64 (out [T, H, d_v], lse [T, H]) per SPEC §4; the softmax is joint over all sources."""
+              valid_tokens=None, window: Optional[int] = None):
+    """float64 (out [T, H, d_v], lse [T, H]) per SPEC §4; the softmax is joint over all sources.
+
+    ``window`` overrides the format's candidate window (tests use 0 to show the window matters).
+    """
     spec = SPECS[key]
+    window = spec.window if window is None else window
     q = np.asarray(q).astype(np.float64)
     num_tokens, num_heads, _ = q.shape
     out = np.zeros((num_tokens, num_heads, spec.d_v))
@@ -385,7 +388,7 @@ def attention(q, sources: Sequence[CandidateSource], *, key: str, sm_scale: floa
     if valid_tokens is not None:
         rows = int(np.clip(int(np.asarray(valid_tokens).reshape(())), 0, num_tokens))
     sink = None if attn_sink is None else np.asarray(attn_sink, np.float64)
-    masks = [s.mask(spec.window) for s in sources]
+    masks = [s.mask(window) for s in sources]
     for t in range(rows):
         keys = np.concatenate([s.keys[s.indices[t][m[t]]] for s, m in zip(sources, masks)], axis=0)
         scores = sm_scale * (q[t] @ keys.T)  # [H, n]

@@ -317,3 +317,21 @@ def test_cache_over_4_gib(rng, impl):
     out_small = run(jnp.asarray(small.q), jnp.asarray(small.main.array), jnp.asarray(small.indices))
     np.testing.assert_array_equal(np.asarray(out_big[0]), np.asarray(out_small[0]))
     np.testing.assert_array_equal(np.asarray(out_big[1]), np.asarray(out_small[1]))
+
+
+@gpu
+def test_export_roundtrip_runs_on_the_gpu(rng):
+    pytest.importorskip("flatbuffers")
+    case = cases.make_case(rng, "dsv4", num_tokens=4, num_heads=16, topk=64, poison=False)
+    args = (jnp.asarray(case.q), jnp.asarray(case.main.array), jnp.asarray(case.indices))
+
+    def step(q, cache, indices):
+        return jsm.sparse_mla(q, cache, indices, kv_format="dsv4", sm_scale=case.sm_scale)
+
+    exported = jax.export.export(jax.jit(step), disabled_checks=jsm.disabled_checks(),
+                                 platforms=("cuda",))(*args)
+    restored = jax.export.deserialize(exported.serialize())
+    out, lse = restored.call(*args)
+    direct = jax.jit(step)(*args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(direct[0]))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(direct[1]))
