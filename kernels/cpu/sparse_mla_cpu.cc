@@ -14,8 +14,16 @@ namespace {
 
 constexpr int kHeadsPerWorkItem = 16;
 
+// The two hot loops get an AVX2 clone on x86-64 (picked at load time). Neither clone contracts to FMA
+// and the reduction order is fixed by the eight partial sums, so every clone gives the same bits.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define JSMLA_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define JSMLA_VECTOR_CLONES
+#endif
+
 // Eight independent partial sums let the compiler vectorise the reduction.
-float dot_product(const float* a, const float* b, int n) {
+JSMLA_VECTOR_CLONES float dot_product(const float* a, const float* b, int n) {
   float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -25,6 +33,11 @@ float dot_product(const float* a, const float* b, int n) {
   for (; i < n; ++i) sum += a[i] * b[i];
   for (float x : partial) sum += x;
   return sum;
+}
+
+// acc[0, n) += weight * v[0, n)
+JSMLA_VECTOR_CLONES void scaled_add(float* acc, float weight, const float* v, int n) {
+  for (int d = 0; d < n; ++d) acc[d] += weight * v[d];
 }
 
 struct Candidate {
@@ -47,55 +60,77 @@ void write_empty(const FormatTraits& f, const AttentionParams& p, int64_t t, int
   p.lse[t * p.num_heads + h] = lse;
 }
 
-// One work item: heads [h0, h1) of token t.
-void attend(const FormatTraits& f, const AttentionParams& p, int64_t t, int h0, int h1,
-            std::vector<Candidate>& candidates, std::vector<float>& keys, std::vector<float>& scores,
-            std::vector<float>& query, std::vector<float>& accumulator) {
+// Per-thread scratch, reused across work items.
+struct Scratch {
+  std::vector<Candidate> candidates;
+  std::vector<float> keys;         // [n, d_qk] dequantized candidate rows
+  std::vector<float> queries;      // [heads, d_qk]
+  std::vector<float> scores;       // [heads, n], then softmax weights
+  std::vector<float> accumulator;  // [heads, d_v]
+};
+
+// One work item: heads [h0, h1) of token t. Loops run candidate-major so each dequantized row is read
+// once per pass while the block's queries and accumulators stay in cache.
+void attend(const FormatTraits& f, const AttentionParams& p, int64_t t, int h0, int h1, Scratch& s) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  candidates.clear();
-  collect_candidates(p.main, t, candidates);
-  collect_candidates(p.extra, t, candidates);
-  const int64_t n = static_cast<int64_t>(candidates.size());
+  s.candidates.clear();
+  collect_candidates(p.main, t, s.candidates);
+  collect_candidates(p.extra, t, s.candidates);
+  const int64_t n = static_cast<int64_t>(s.candidates.size());
   const int d_qk = f.d_qk;
   const int d_v = f.d_v;
-  keys.resize(static_cast<size_t>(n) * d_qk);
+  const int heads = h1 - h0;
+  s.keys.resize(static_cast<size_t>(n) * d_qk);
   for (int64_t j = 0; j < n; ++j) {
-    dequantize_row(f, *candidates[j].cache, candidates[j].slot, keys.data() + j * d_qk);
+    dequantize_row(f, *s.candidates[j].cache, s.candidates[j].slot, s.keys.data() + j * d_qk);
   }
-  scores.resize(static_cast<size_t>(n));
-  query.resize(d_qk);
-  accumulator.resize(d_v);
+  s.queries.resize(static_cast<size_t>(heads) * d_qk);
+  for (int h = 0; h < heads; ++h) {
+    const uint16_t* q = p.q + (t * p.num_heads + h0 + h) * static_cast<int64_t>(d_qk);
+    for (int d = 0; d < d_qk; ++d) s.queries[h * d_qk + d] = bf16_to_float(q[d]);
+  }
+  s.scores.resize(static_cast<size_t>(heads) * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = s.keys.data() + j * d_qk;
+    for (int h = 0; h < heads; ++h) s.scores[h * n + j] = p.sm_scale * dot_product(&s.queries[h * d_qk], k, d_qk);
+  }
 
-  for (int h = h0; h < h1; ++h) {
-    const float sink = p.attn_sink != nullptr ? p.attn_sink[h] : -kInf;
-    if (sink == kInf) {
-      write_empty(f, p, t, h, kInf);
-      continue;
-    }
-    const uint16_t* q = p.q + (t * p.num_heads + h) * static_cast<int64_t>(d_qk);
-    for (int d = 0; d < d_qk; ++d) query[d] = bf16_to_float(q[d]);
+  // Softmax per head (lse includes the sink); scores become weights exp(s - lse).
+  float lse[kHeadsPerWorkItem];
+  bool empty[kHeadsPerWorkItem];
+  for (int h = 0; h < heads; ++h) {
+    const float sink = p.attn_sink != nullptr ? p.attn_sink[h0 + h] : -kInf;
+    float* row = &s.scores[h * n];
     float max_score = sink;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* k = keys.data() + j * d_qk;
-      scores[j] = p.sm_scale * dot_product(query.data(), k, d_qk);
-      max_score = std::max(max_score, scores[j]);
-    }
-    if (max_score == -kInf) {  // no valid candidate and no sink
-      write_empty(f, p, t, h, -kInf);
+    for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, row[j]);
+    empty[h] = sink == kInf || max_score == -kInf;
+    if (empty[h]) {  // an infinite sink, or no valid candidate and no sink
+      lse[h] = sink == kInf ? kInf : -kInf;
       continue;
     }
     double total = sink == -kInf ? 0.0 : std::exp(static_cast<double>(sink) - max_score);
-    for (int64_t j = 0; j < n; ++j) total += std::exp(static_cast<double>(scores[j]) - max_score);
-    const double lse = max_score + std::log(total);
-    std::fill(accumulator.begin(), accumulator.end(), 0.0f);
-    for (int64_t j = 0; j < n; ++j) {
-      const float weight = static_cast<float>(std::exp(static_cast<double>(scores[j]) - lse));
-      const float* v = keys.data() + j * d_qk;
-      for (int d = 0; d < d_v; ++d) accumulator[d] += weight * v[d];
+    for (int64_t j = 0; j < n; ++j) total += std::exp(static_cast<double>(row[j]) - max_score);
+    const double row_lse = max_score + std::log(total);
+    for (int64_t j = 0; j < n; ++j) row[j] = static_cast<float>(std::exp(static_cast<double>(row[j]) - row_lse));
+    lse[h] = static_cast<float>(row_lse);
+  }
+
+  s.accumulator.assign(static_cast<size_t>(heads) * d_v, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = s.keys.data() + j * d_qk;
+    for (int h = 0; h < heads; ++h) {
+      if (empty[h]) continue;
+      scaled_add(&s.accumulator[h * d_v], s.scores[h * n + j], v, d_v);
     }
-    uint16_t* out = p.out + (t * p.num_heads + h) * static_cast<int64_t>(d_v);
-    for (int d = 0; d < d_v; ++d) out[d] = float_to_bf16(accumulator[d]);
-    p.lse[t * p.num_heads + h] = static_cast<float>(lse);
+  }
+  for (int h = 0; h < heads; ++h) {
+    if (empty[h]) {
+      write_empty(f, p, t, h0 + h, lse[h]);
+      continue;
+    }
+    uint16_t* out = p.out + (t * p.num_heads + h0 + h) * static_cast<int64_t>(d_v);
+    for (int d = 0; d < d_v; ++d) out[d] = float_to_bf16(s.accumulator[h * d_v + d]);
+    p.lse[t * p.num_heads + h0 + h] = lse[h];
   }
 }
 
@@ -133,14 +168,12 @@ void sparse_mla_cpu(const FormatTraits& f, const AttentionParams& p, int num_thr
 
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
-    std::vector<Candidate> candidates;
-    std::vector<float> keys, scores, query;
-    std::vector<float> accumulator;
+    Scratch scratch;
     for (int64_t item = next.fetch_add(1); item < work_items; item = next.fetch_add(1)) {
       const int64_t t = item / head_blocks;
       const int h0 = static_cast<int>(item % head_blocks) * kHeadsPerWorkItem;
       const int h1 = std::min(h0 + kHeadsPerWorkItem, p.num_heads);
-      attend(f, p, t, h0, h1, candidates, keys, scores, query, accumulator);
+      attend(f, p, t, h0, h1, scratch);
     }
   };
   std::vector<std::thread> threads;
