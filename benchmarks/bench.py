@@ -167,6 +167,38 @@ def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, i
     }
 
 
+def empty_shard_rows(jsm, cache_entry, rng):
+    """Cost of a padded expert-parallel shard: the same call with valid_tokens = T and = 0."""
+    import jax
+    import jax.numpy as jnp
+
+    cache, _, num_slots = cache_entry
+    fmt = jsm.get_format("dsv3_2")
+    tokens, heads = 128, 128
+    q = jnp.asarray(rng.standard_normal((tokens, heads, fmt.d_qk)), jnp.bfloat16)
+    indices = jnp.asarray(rng.integers(0, num_slots, (FLAGS.steps, tokens, TOPK)), jnp.int32)
+    rows = []
+    for valid in (tokens, 0):
+        vt = jnp.int32(valid)
+
+        def op(idx, vt=vt):
+            return jsm.sparse_mla(q, cache, idx, kv_format=fmt, sm_scale=fmt.d_qk ** -0.5, valid_tokens=vt)
+
+        out, lse = jax.jit(op)(indices[0])
+        ok = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+        if valid == 0:
+            ok = ok and bool(jnp.all(out == 0)) and bool(jnp.all(lse == -jnp.inf))
+        seconds, fastest, slowest = timed_scan(lambda idx: jnp.sum(op(idx)[0].astype(jnp.float32)), None, indices,
+                                               FLAGS.repeats)
+        rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": f"valid_tokens={valid}",
+                     "variant": jsm.plan(q.shape, fmt, TOPK, platform="cuda").variant, "num_splits": 0,
+                     "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6, "tflops": 0.0,
+                     "gbps": 0.0, "baseline_us": None, "speedup": None, "check": "ok" if ok else "FAIL",
+                     "max_err": 0.0, "rel_l2": 0.0, "lse_err": 0.0})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def write_results(rows, device):
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     suffix = f"_{FLAGS.tag}" if FLAGS.tag else ""
@@ -181,6 +213,8 @@ def write_results(rows, device):
         base = "—" if r["baseline_us"] is None else f"{r['baseline_us']:.1f}"
         speed = "—" if r["speedup"] is None else f"{r['speedup']:.2f}×"
         kernel = r["variant"] + (f" ({r['num_splits']} splits)" if r["variant"] == "decode" else "")
+        if r["impl"].startswith("valid_tokens"):
+            kernel += f", {r['impl']}"
         lines.append(f"| {r['format']} | {kernel} | {r['T']} | {r['H']} | {r['us']:.1f} | {r['tflops']:.0f} | "
                      f"{r['gbps']:.0f} | {base} | {speed} | {r['check']} |")
     table = "\n".join(lines) + "\n"
@@ -248,6 +282,7 @@ def main(argv):
         rows.append(run_case(jsm, cache, view, "dsv3_2", page_size, num_slots, tokens, heads, prefill_impl, rng,
                              tokens <= 1024))
         print(json.dumps(rows[-1]), flush=True)
+    rows.extend(empty_shard_rows(jsm, caches["dsv3_2"], rng))
     print(write_results(rows, device))
     return 0 if all(r["check"] == "ok" for r in rows) else 1
 

@@ -5,6 +5,9 @@
 #   bash benchmarks/gpu_session.sh full           # build + full GPU matrix
 #   bash benchmarks/gpu_session.sh sanitize       # build + compute-sanitizer memcheck on a subset
 #   bash benchmarks/gpu_session.sh bench          # build + GPU smoke tier + the full benchmark grid
+#   bash benchmarks/gpu_session.sh release        # build + smoke tier + benchmark grid + full tier and
+#                                                 # memcheck side by side + planner sweep (one long call)
+#   bash benchmarks/gpu_session.sh multi          # build + the multi-GPU sharding tests
 #
 # Logs and results go to $OUT (default /tmp/jsmla_out); a short table is printed last.
 set -uo pipefail
@@ -13,6 +16,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# Several JAX processes share the GPU here (the replay test starts one; release runs two tiers at once).
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 archs=${JSMLA_SESSION_ARCHS:-90a-real}
 
 start=$(date +%s)
@@ -55,6 +60,24 @@ case "$mode" in
     run_tests -m "gpu and not gpu_full" || status=1
     python3 "$repo/benchmarks/bench.py" --grid full --out_dir "$out" > "$out/bench.log" 2>&1 || status=1
     tail -40 "$out/bench.log"
+    ;;
+  release)
+    run_tests -m "gpu and not gpu_full" || status=1
+    timeout 260 python3 "$repo/benchmarks/bench.py" --grid full --repeats 8 --out_dir "$out" > "$out/bench.log" 2>&1 || status=1
+    tail -42 "$out/bench.log"
+    (timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu_full "$repo/tests" > "$out/tests_full.log" 2>&1; \
+     echo "full tier exit $?" >> "$out/tests_full.log") &
+    JSMLA_SANITIZE=1 timeout 150 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+      python3 -m pytest -q -p no:cacheprovider -m gpu -k "sanitize" "$repo/tests" > "$out/sanitizer.log" 2>&1
+    echo "memcheck exit $?: $(grep -E "ERROR SUMMARY" "$out/sanitizer.log" | tail -1) $(tail -1 "$out/sanitizer.log")"
+    wait
+    tail -3 "$out/tests_full.log"
+    timeout 120 python3 "$repo/benchmarks/planner_sweep.py" --out_dir "$out" > "$out/sweep.log" 2>&1 || status=1
+    tail -16 "$out/sweep.log"
+    ;;
+  multi)
+    python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_multi_gpu.py" 2>&1 | tee "$out/multi.log" | tail -8
+    status=${PIPESTATUS[0]}
     ;;
   *)
     echo "unknown mode $mode"; exit 2 ;;
