@@ -261,7 +261,8 @@ def test_command_buffer_replay_follows_fresh_inputs(tmp_path):
     script = tmp_path / "replay.py"
     paths = [os.path.dirname(os.path.dirname(__file__))] + [p for p in sys.path if p]
     script.write_text(_REPLAY_SCRIPT.format(paths=paths))
-    env = dict(os.environ, XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
                                       "--xla_gpu_graph_min_graph_size=1")
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
