@@ -64,6 +64,13 @@ HEAD_TILES = {
 }
 
 
+#: Registers per thread the planner assumes for occupancy (ptxas reports 207-255 on sm_90a; a block's
+#: register allocation rounds up, so 255 is the safe bound: 128-thread kernels fit twice per SM).
+REGISTERS_PER_THREAD = 255
+#: Shared memory the runtime reserves per resident block (sm_80 and newer).
+SHARED_BYTES_RESERVED_PER_BLOCK = 1024
+
+
 def workspace_bytes(num_splits: int, num_tokens: int, num_heads: int, d_v: int) -> int:
     """Bytes of the decode workspace: float32 partial_out[S][T][H][d_v] then partial_lse[S][T][H]."""
     return num_splits * num_tokens * num_heads * (d_v + 1) * 4

@@ -36,10 +36,12 @@ SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 class CostModel:
     """Analytic time model of the portable CUDA kernels, in microseconds.
 
-    A launch of ``blocks`` blocks runs in ``waves = ceil(blocks / (sm_count * blocks_per_sm))``
-    waves; a block over ``n`` candidates with a head tile of ``h`` heads costs
-    ``block_us + n * (dequant_ns + h * mma_ns_per_head) / 1000``; the decode combine streams the
-    partial results at ``combine_gbps``. The defaults come from the H200's conversion and
+    A block over ``n`` candidates with a head tile of ``h`` heads costs, alone on an SM,
+    ``block_us + n * (dequant_ns + h * mma_ns_per_head) / 1000``. A launch puts
+    ``ceil(blocks / sm_count)`` blocks on the busiest SM, which runs them ``resident`` at a time
+    (the kernel's occupancy, see :func:`resident_blocks`); blocks sharing an SM are not free: ``r``
+    co-resident blocks finish in ``r / co_residency_gain`` solo-block times (``co_residency_gain``
+    applies for r > 1). The decode combine streams the partial results at ``combine_gbps``. The defaults come from the H200's conversion and
     ``mma.sync`` rates (PERF.md); :func:`jax_sparse_mla.calibration.calibrate` fits them per device.
     """
 
@@ -47,13 +49,20 @@ class CostModel:
     block_us: float = 2.0
     dequant_ns: float = 25.0  # gather + FP8 -> BF16 conversion of one candidate row by one block
     mma_ns_per_head: float = 0.45  # S = Q·Kᵀ and O += P·V of one candidate for one head
-    blocks_per_sm: int = 1
+    co_residency_gain: float = 1.35  # throughput of two co-resident blocks over one
     combine_gbps: float = 2500.0
 
-    def kernel_us(self, blocks: int, candidates_per_block: int, head_tile: int, sm_count: int) -> float:
-        waves = _ceil_div(blocks, max(1, sm_count * self.blocks_per_sm))
+    def kernel_us(self, blocks: int, candidates_per_block: int, head_tile: int, sm_count: int,
+                  resident: int = 1) -> float:
         per_block = self.block_us + candidates_per_block * (self.dequant_ns + head_tile * self.mma_ns_per_head) / 1e3
-        return self.launch_us + waves * per_block
+        busiest = _ceil_div(blocks, max(1, sm_count))
+        resident = max(1, resident)
+        full_rounds, rest = divmod(busiest, resident)
+
+        def round_us(count):
+            return per_block * (count if count == 1 else count / self.co_residency_gain)
+
+        return self.launch_us + full_rounds * round_us(resident) + (round_us(rest) if rest else 0.0)
 
     def combine_us(self, num_splits: int, num_tokens: int, num_heads: int, d_v: int) -> float:
         moved = num_splits * num_tokens * num_heads * (d_v + 1) * 4 + num_tokens * num_heads * (2 * d_v + 4)
@@ -83,11 +92,14 @@ class DeviceInfo:
     sm_count: int = 0
     l2_bytes: int = 0
     smem_per_block: int = 0
+    smem_per_sm: int = 0
+    registers_per_sm: int = 65536
 
 
 #: Used when no CUDA device is present (e.g. exporting for CUDA from a CPU host): an H200.
 DEFAULT_CUDA_DEVICE = DeviceInfo(name="NVIDIA H200 (default)", platform="cuda", arch=90, sm_count=132,
-                                 l2_bytes=60 * 1024 * 1024, smem_per_block=227 * 1024)
+                                 l2_bytes=60 * 1024 * 1024, smem_per_block=227 * 1024,
+                                 smem_per_sm=228 * 1024)
 DEFAULT_CPU_DEVICE = DeviceInfo(name="cpu", platform="cpu")
 
 
@@ -105,7 +117,8 @@ def device_info(platform: str) -> DeviceInfo:
     major, minor = (int(x) for x in str(getattr(dev, "compute_capability", "9.0")).split("."))
     return DeviceInfo(name=dev.device_kind, platform="cuda", arch=major * 10 + minor,
                       sm_count=int(getattr(dev, "core_count", DEFAULT_CUDA_DEVICE.sm_count)),
-                      l2_bytes=DEFAULT_CUDA_DEVICE.l2_bytes, smem_per_block=DEFAULT_CUDA_DEVICE.smem_per_block)
+                      l2_bytes=DEFAULT_CUDA_DEVICE.l2_bytes, smem_per_block=DEFAULT_CUDA_DEVICE.smem_per_block,
+                      smem_per_sm=DEFAULT_CUDA_DEVICE.smem_per_sm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +179,14 @@ def _round_up(a: int, b: int) -> int:
     return _ceil_div(a, b) * b
 
 
+def resident_blocks(kv_format: str, heads_per_block: int, device: DeviceInfo) -> int:
+    """Blocks of a kernel that fit on one SM at once: limited by registers and shared memory."""
+    kernel = cuda_config.KERNELS[(kv_format, heads_per_block)]
+    by_registers = device.registers_per_sm // (kernel.threads * cuda_config.REGISTERS_PER_THREAD)
+    by_shared = device.smem_per_sm // (kernel.shared_bytes + cuda_config.SHARED_BYTES_RESERVED_PER_BLOCK)
+    return max(1, min(by_registers, by_shared))
+
+
 def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: DeviceInfo, model: CostModel,
                   impl):
     """Every (predicted µs, variant, head tile, splits, split size) the planner may choose from."""
@@ -174,14 +195,15 @@ def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: Devi
     for heads_per_block in cuda_config.HEAD_TILES[fmt.key]:
         head_tiles = _ceil_div(num_heads, heads_per_block)
         base_blocks = num_tokens * head_tiles
+        resident = resident_blocks(fmt.key, heads_per_block, device)
         if impl in ("auto", "prefill"):
-            us = model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count)
+            us = model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count, resident)
             options.append((us, "prefill", heads_per_block, 1, candidates))
         if impl in ("auto", "decode"):
             for splits in SPLIT_CHOICES:
                 split_size = _round_up(_ceil_div(candidates, splits), tile)
                 splits = _ceil_div(candidates, split_size)
-                us = (model.kernel_us(base_blocks * splits, split_size, heads_per_block, device.sm_count)
+                us = (model.kernel_us(base_blocks * splits, split_size, heads_per_block, device.sm_count, resident)
                       + model.combine_us(splits, num_tokens, num_heads, fmt.d_v))
                 options.append((us, "decode", heads_per_block, splits, split_size))
     return options
