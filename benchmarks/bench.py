@@ -28,6 +28,9 @@ flags.DEFINE_integer("repeats", 10, "Timed calls per case; the median is reporte
 flags.DEFINE_integer("pool_bytes", 192 * 1024 * 1024, "Cache size in bytes (>= 170 MB).")
 flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"), "Where results go.")
 flags.DEFINE_string("tag", "", "Suffix of the result file names.")
+flags.DEFINE_list("cases", [], "Run only these decode cases, as format:T:H (default: the whole grid).")
+flags.DEFINE_list("prefill_tokens", [], "Prefill token counts (default: the grid's).")
+flags.DEFINE_bool("empty_shard", True, "Also time a padded shard (valid_tokens = 0).")
 FLAGS = flags.FLAGS
 
 TOPK = 2048
@@ -246,6 +249,8 @@ def write_results(rows, device):
     except ImportError:
         logging.warning("matplotlib missing: no plot")
         return table
+    if len(rows) < 2:
+        return table
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for kv_format in sorted({r["format"] for r in rows}):
         for heads in sorted({r["H"] for r in rows if r["format"] == kv_format}):
@@ -264,6 +269,7 @@ def write_results(rows, device):
     fig.suptitle(f"jax_sparse_mla sparse MLA, topk={TOPK}, {device}")
     fig.tight_layout()
     fig.savefig(os.path.join(FLAGS.out_dir, f"bench{suffix}.png"), dpi=110)
+    plt.close(fig)
     return table
 
 
@@ -281,7 +287,8 @@ def main(argv):
     page_size = 64
     rows = []
     caches = {}
-    for kv_format in sorted(set(FLAGS.formats) | {"dsv3_2"}):
+    needed = {c.split(":")[0] for c in FLAGS.cases} if FLAGS.cases else set(FLAGS.formats)
+    for kv_format in sorted(needed | {"dsv3_2"}):
         fmt = jsm.get_format(kv_format)
         pages = -(-FLAGS.pool_bytes // (page_size * fmt.bytes_per_token))
         key = jax.random.PRNGKey(len(caches))
@@ -289,18 +296,23 @@ def main(argv):
         cache = jax.jit(lambda x, f=fmt: jsm.quantize_kv(x, f, page_size=page_size))(kv)
         del kv
         caches[kv_format] = (cache, baseline_view(cache, kv_format, page_size), pages * page_size)
-    for kv_format in FLAGS.formats:
-        cache, view, num_slots = caches[kv_format]
-        for tokens, heads in decode_grid(FLAGS.grid):
-            rows.append(run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, "auto", rng, True))
-            print(json.dumps(rows[-1]), flush=True)
-    cache, view, num_slots = caches["dsv3_2"]
+    if FLAGS.cases:
+        decode_cases = [(f, int(t), int(h)) for f, t, h in (c.split(":") for c in FLAGS.cases)]
+    else:
+        decode_cases = [(f, t, h) for f in FLAGS.formats for t, h in decode_grid(FLAGS.grid)]
+    prefill_cases = ([(int(t), 128) for t in FLAGS.prefill_tokens] if FLAGS.prefill_tokens
+                     else prefill_grid(FLAGS.grid))
     prefill_impl = "prefill" if jsm.cuda_available() else "auto"
-    for tokens, heads in prefill_grid(FLAGS.grid):
-        rows.append(run_case(jsm, cache, view, "dsv3_2", page_size, num_slots, tokens, heads, prefill_impl, rng,
-                             tokens <= 1024))
+    work = [(f, t, h, "auto", True) for f, t, h in decode_cases]
+    work += [("dsv3_2", t, h, prefill_impl, t <= 1024) for t, h in prefill_cases]
+    for kv_format, tokens, heads, impl, with_baseline in work:
+        cache, view, num_slots = caches[kv_format]
+        rows.append(run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, impl, rng,
+                             with_baseline))
         print(json.dumps(rows[-1]), flush=True)
-    rows.extend(empty_shard_rows(jsm, caches["dsv3_2"], rng))
+        write_results(rows, device)  # a run cut short still leaves its table
+    if FLAGS.empty_shard:
+        rows.extend(empty_shard_rows(jsm, caches["dsv3_2"], rng))
     print(write_results(rows, device))
     return 0 if all(r["check"] == "ok" for r in rows) else 1
 

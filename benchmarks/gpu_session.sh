@@ -72,6 +72,12 @@ case "$mode" in
     tail -16 "$out/sweep.log"
     (cd "$out" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
     ;;
+  bench-cases)
+    # A chosen subset of the grid: JSMLA_BENCH_ARGS, e.g. "--cases dsv3_2:128:128 --prefill_tokens 4096".
+    timeout "${JSMLA_BENCH_TIMEOUT:-400}" python3 "$repo/benchmarks/bench.py" $JSMLA_BENCH_ARGS --out_dir "$out" \
+      > "$out/bench.log" 2>&1 || status=1
+    tail -20 "$out/bench.log"
+    ;;
   multi)
     python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_multi_gpu.py" 2>&1 | tee "$out/multi.log" | tail -8
     status=${PIPESTATUS[0]}
