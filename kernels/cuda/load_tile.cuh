@@ -5,9 +5,12 @@
 // ever reads staging bytes its own cp.async wrote (no barrier between landing and conversion):
 //   issue():   16-byte cp.async of the row's payload (FP8 lanes, then BF16 lanes) into a staging
 //              row, plus the row's scale record into the thread's private scale slot;
-//   convert(): staging → BF16 tile row, FP8 × scale computed in FP32 and rounded to BF16 once
-//              (an arbitrary FP32 scale is never rounded to 16 bits); a masked row is zero-filled
-//              and its payload never read.
+//   convert(): staging → BF16 tile row, FP8 × scale computed in FP32 and rounded to BF16 once; a
+//              masked row is zero-filled and its payload never read.
+// Arbitrary FP32 scales (kExactScales: glm_*) are never rounded to 16 bits: a scale s = 2^e · m
+// (m in [1, 2)) is split, the tile holds FP8 × 2^e (exact in BF16), and the kernel applies the
+// mantissas m in FP32 — to the partial scores per group of K lanes and to P per group of V lanes —
+// from the per-row factors write_factors() leaves in shared memory.
 // Thread `tid` owns row tid / kThreadsPerRow and units sub, sub + kThreadsPerRow, ... of it, where a
 // unit is 16 staged bytes (16 FP8 values or 8 BF16 values).
 #pragma once
@@ -40,6 +43,12 @@ struct TileLoader {
   static constexpr int kUnitsPerThread = (kUnits + kThreadsPerRow - 1) / kThreadsPerRow;
   static constexpr int kStagedRowBytes = kUnits * 16;
   static constexpr int kScaleRecordBytes = scale_record_bytes(kF);
+  // Scales that are not powers of two: their mantissas are applied in FP32 by the kernel.
+  static constexpr bool kExactScales = kF.scale_kind == ScaleKind::kFp32 && !kF.pow2_scales;
+  static constexpr int kNumGroups = kF.num_groups;
+  // Per-row factors of kExactScales (floats): mantissa[g][row], then ratio[g][row] = m_g / m_{g+1}
+  // (m_G = 1: the unscaled BF16 lanes after the last group).
+  static constexpr int kFactorFloats = kExactScales ? 2 * kNumGroups * kCandidateTile : 0;
   // BF16 elements between consecutive tile rows: d_qk plus 16 bytes, so that the 8 rows one
   // ldmatrix phase reads fall into 8 different 16-byte bank groups.
   static constexpr int kTilePitch = kF.d_qk + 8;
@@ -52,6 +61,8 @@ struct TileLoader {
   static_assert(kScaleRecordBytes == 0 || kScaleRecordBytes == 8 || kScaleRecordBytes == 16,
                 "scale records are copied with one 8- or 16-byte cp.async");
   static_assert(kScaleRecordBytes <= kScaleSlotBytes, "scale record must fit the thread's scale slot");
+  static_assert(!kExactScales || (kF.layout == Layout::kInline && kScaleRecordBytes == 4 * kNumGroups),
+                "exact FP32 scales: every group's scale is in the thread's scale slot");
   static_assert((kTilePitch * 2) % 16 == 0 && ((kTilePitch * 2) / 16) % 8 == 1,
                 "tile rows must start 16-byte aligned and rotate through the 8 bank groups");
 
@@ -92,7 +103,8 @@ struct TileLoader {
             continue;
           }
           const uint4 fp8 = *reinterpret_cast<const uint4*>(staged_row + 16 * unit);
-          const float scale = group_scale_of(scale_slot, (16 * unit) / kF.group_size);
+          float scale = group_scale_of(scale_slot, (16 * unit) / kF.group_size);
+          if constexpr (kExactScales) scale = power_of_two_part(scale);
           destination[0] = make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
                                       fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale));
           destination[1] = make_uint4(fp8x2_to_bf16x2(fp8.z, scale), fp8x2_to_bf16x2(fp8.z >> 16, scale),
@@ -104,6 +116,33 @@ struct TileLoader {
       *reinterpret_cast<uint4*>(tile_row + first_dim) =
           valid ? *reinterpret_cast<const uint4*>(staged_row + 16 * unit) : make_uint4(0, 0, 0, 0);
     }
+  }
+
+  // kExactScales only: writes row `row`'s mantissas and ratios (1 for a masked row, whose tile row
+  // is zero) into `factors` (kFactorFloats floats); called by one thread per row.
+  static JSMLA_DEVICE void write_factors(bool valid, const uint8_t* scale_slot, float* factors, int row) {
+    static_assert(kExactScales, "only formats with arbitrary FP32 scales carry mantissa factors");
+    float next = 1.0f;
+#pragma unroll
+    for (int g = kNumGroups - 1; g >= 0; --g) {
+      const float mantissa = valid ? mantissa_of(group_scale_of(scale_slot, g)) : 1.0f;
+      factors[g * kCandidateTile + row] = mantissa;
+      factors[(kNumGroups + g) * kCandidateTile + row] = mantissa / next;
+      next = mantissa;
+    }
+  }
+
+  // s = power_of_two_part(s) * mantissa_of(s) exactly, mantissa in [1, 2), for every normal s; zero,
+  // subnormal, infinite and NaN scales keep s whole in the tile (mantissa 1).
+  static JSMLA_DEVICE float power_of_two_part(float s) {
+    const uint32_t bits = __float_as_uint(s);
+    const uint32_t exponent = bits & 0x7f800000u;
+    return exponent == 0u || exponent == 0x7f800000u ? s : __uint_as_float(bits & 0xff800000u);
+  }
+  static JSMLA_DEVICE float mantissa_of(float s) {
+    const uint32_t bits = __float_as_uint(s);
+    const uint32_t exponent = bits & 0x7f800000u;
+    return exponent == 0u || exponent == 0x7f800000u ? 1.0f : __uint_as_float((bits & 0x007fffffu) | 0x3f800000u);
   }
 
  private:

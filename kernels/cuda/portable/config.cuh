@@ -71,20 +71,26 @@ struct PortableConfig {
 
   // Shared memory, in bytes: the BF16 KV tile (K; V is its first d_v lanes), the raw staging rows of
   // the next tile, one scale slot per thread, the partial-score exchange, and one additive score bias
-  // per candidate row (0 or -inf for a masked row).
+  // per candidate row (0 or -inf for a masked row); for arbitrary FP32 scales, the per-row mantissa
+  // factors of the tile (TileLoader::write_factors).
   static constexpr int kTileBytes = kCandidateTile * kTilePitch * 2;
   static constexpr int kStageBytes = kCandidateTile * Loader::kStagedRowBytes;
   static constexpr int kScaleSlotsBytes = Loader::kScaleRecordBytes > 0 ? kThreads * kScaleSlotBytes : 0;
   static constexpr int kExchangeFloatsPerWarp = kScoreTiles * 4 * 32;
   static constexpr int kExchangeBytes = kDSplits > 1 ? kWarps * kExchangeFloatsPerWarp * 4 : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
+  static constexpr bool kExactScales = Loader::kExactScales;
+  static constexpr int kFactorBytes = Loader::kFactorFloats * 4;
+  // m16n8k16 k-steps per scale group of K (exact scales only).
+  static constexpr int kGroupKSteps = kExactScales ? kF.group_size / 16 : 1;
 
   static constexpr int kTileOffset = 0;
   static constexpr int kStageOffset = kTileOffset + kTileBytes;
   static constexpr int kScaleSlotsOffset = kStageOffset + kStageBytes;
   static constexpr int kExchangeOffset = kScaleSlotsOffset + kScaleSlotsBytes;
   static constexpr int kBiasOffset = kExchangeOffset + kExchangeBytes;
-  static constexpr int kSharedBytes = kBiasOffset + kBiasBytes;
+  static constexpr int kFactorOffset = kBiasOffset + kBiasBytes;
+  static constexpr int kSharedBytes = kFactorOffset + kFactorBytes;
 
   static_assert(kHeadGroups > 0, "head tile not instantiated for this format (see warp_grid)");
   static_assert(kHeadTile == 16 * kHeadGroups, "a head group is one m16 row block");
@@ -94,8 +100,10 @@ struct PortableConfig {
   static_assert(kSplitGranule % kCandidateTile == 0, "the split granule must be whole candidate tiles");
   static_assert(kThreads <= 256, "__launch_bounds__ assumes at most 256 threads (<= 255 registers each)");
   static_assert(kTileOffset % 16 == 0 && kStageOffset % 16 == 0 && kScaleSlotsOffset % 16 == 0 &&
-                    kExchangeOffset % 16 == 0 && kBiasOffset % 16 == 0,
+                    kExchangeOffset % 16 == 0 && kBiasOffset % 16 == 0 && kFactorOffset % 16 == 0,
                 "shared-memory regions must be 16-byte aligned (cp.async, ldmatrix, vector stores)");
+  static_assert(!kExactScales || (kF.group_size % 16 == 0 && kDvPerWarp % kF.group_size == 0),
+                "exact scales: whole k16 steps per group, and each warp's output columns whole groups");
   static_assert(Loader::kStagedRowBytes % 16 == 0, "staged rows must stay 16-byte aligned");
   static_assert(kSharedBytes <= kMaxSharedBytes, "shared memory exceeds the 99 KB portable budget");
 };

@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   uint8_t* const scale_slots = smem + Cfg::kScaleSlotsOffset;
   float* const exchange = reinterpret_cast<float*>(smem + Cfg::kExchangeOffset);
   float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);
+  float* const factors = reinterpret_cast<float*>(smem + Cfg::kFactorOffset);  // exact scales only
 
   const AttentionParams& a = p.attn;
   const int64_t block = blockIdx.x;
@@ -127,7 +128,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   auto convert_row = [&](bool valid) {
     cp_async_wait_all();
     Loader::convert(valid, staged_row, scale_slot, tile_row, load_sub);
-    if (load_sub == 0) score_bias[load_row] = valid ? 0.0f : -INFINITY;
+    if (load_sub == 0) {
+      score_bias[load_row] = valid ? 0.0f : -INFINITY;
+      if constexpr (Cfg::kExactScales) Loader::write_factors(valid, scale_slot, factors, load_row);
+    }
   };
 
   // ---- prologue: gather tile 0, load Q, convert tile 0, gather tile 1 ----
@@ -141,6 +145,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   // Rows lane/4 and lane/4 + 8 of the warp's 16 heads (m16n8 accumulator / A-fragment layout).
   const int head_a = head_begin + 16 * head_group + lane / 4;
   const int head_b = head_a + 8;
+  // Exact scales: multiplies this thread's score columns by per-candidate factors (a row of `factors`).
+  auto scale_columns = [&](float (&score)[Cfg::kScoreTiles][4], const float* column_factor) {
+#pragma unroll
+    for (int i = 0; i < Cfg::kScoreTiles; ++i) {
+      const float2 f = *reinterpret_cast<const float2*>(column_factor + 8 * i + 2 * (lane % 4));
+      score[i][0] *= f.x;
+      score[i][1] *= f.y;
+      score[i][2] *= f.x;
+      score[i][3] *= f.y;
+    }
+  };
 
   uint32_t q_fragment[Cfg::kKStepsPerWarp][4];
   {
@@ -182,8 +197,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
     float score[Cfg::kScoreTiles][4];
 #pragma unroll
     for (int i = 0; i < Cfg::kScoreTiles; ++i) score[i][0] = score[i][1] = score[i][2] = score[i][3] = 0.0f;
+    const int ks_first = d_split * Cfg::kKStepsPerWarp;  // the warp's first global k-step
 #pragma unroll
     for (int ks = 0; ks < Cfg::kKStepsPerWarp; ++ks) {
+      if constexpr (Cfg::kExactScales) {
+        // Leaving group g: S_g·(m_g/m_{g+1}), so that after the last group one multiply by its
+        // mantissa gives Σ_g m_g·S_g (the BF16 lanes after the groups have m = 1).
+        const int group = (ks_first + ks) / Cfg::kGroupKSteps;
+        if (ks > 0 && (ks_first + ks) % Cfg::kGroupKSteps == 0 && group <= Loader::kNumGroups) {
+          scale_columns(score, factors + (Loader::kNumGroups + group - 1) * kN);
+        }
+      }
 #pragma unroll
       for (int pair = 0; pair < Cfg::kScoreTiles / 2; ++pair) {
         uint32_t b[4];
@@ -191,6 +215,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
         mma_bf16_16816(score[2 * pair], q_fragment[ks], b[0], b[1]);
         mma_bf16_16816(score[2 * pair + 1], q_fragment[ks], b[2], b[3]);
       }
+    }
+
+    if constexpr (Cfg::kExactScales) {
+      const int last_group = (ks_first + Cfg::kKStepsPerWarp - 1) / Cfg::kGroupKSteps;
+      if (last_group < Loader::kNumGroups) scale_columns(score, factors + last_group * kN);
     }
 
     if constexpr (Cfg::kDSplits > 1) {
@@ -260,18 +289,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
       }
     }
 
+    // P·V. Exact scales: the V lanes of group g are FP8·2^e in the tile, so P is multiplied by the
+    // candidates' mantissas m_g (in FP32, before the one rounding to BF16), per group of the warp's columns.
+    constexpr int kPGroups = Cfg::kExactScales ? Cfg::kDvPerWarp / Cfg::kF.group_size : 1;
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
-      const uint32_t p_fragment[4] = {
-          pack_bf16x2(score[2 * kk][0], score[2 * kk][1]), pack_bf16x2(score[2 * kk][2], score[2 * kk][3]),
-          pack_bf16x2(score[2 * kk + 1][0], score[2 * kk + 1][1]),
-          pack_bf16x2(score[2 * kk + 1][2], score[2 * kk + 1][3])};
+      uint32_t p_fragment[kPGroups][4];
+#pragma unroll
+      for (int pg = 0; pg < kPGroups; ++pg) {
+        float2 m_lo = make_float2(1.0f, 1.0f);
+        float2 m_hi = m_lo;
+        if constexpr (Cfg::kExactScales) {
+          const float* mantissa = factors + (d_split * kPGroups + pg) * kN + 16 * kk + 2 * (lane % 4);
+          m_lo = *reinterpret_cast<const float2*>(mantissa);
+          m_hi = *reinterpret_cast<const float2*>(mantissa + 8);
+        }
+        p_fragment[pg][0] = pack_bf16x2(score[2 * kk][0] * m_lo.x, score[2 * kk][1] * m_lo.y);
+        p_fragment[pg][1] = pack_bf16x2(score[2 * kk][2] * m_lo.x, score[2 * kk][3] * m_lo.y);
+        p_fragment[pg][2] = pack_bf16x2(score[2 * kk + 1][0] * m_hi.x, score[2 * kk + 1][1] * m_hi.y);
+        p_fragment[pg][3] = pack_bf16x2(score[2 * kk + 1][2] * m_hi.x, score[2 * kk + 1][3] * m_hi.y);
+      }
 #pragma unroll
       for (int pair = 0; pair < Cfg::kOutTiles / 2; ++pair) {
+        constexpr int kColumnsPerPGroup = Cfg::kDvPerWarp / kPGroups;
+        const int pg = (16 * pair) / kColumnsPerPGroup;
         uint32_t b[4];
         ldmatrix_x4_trans(b, v_lane + kk * 16 * kPitch + pair * 16);
-        mma_bf16_16816(out_acc[2 * pair], p_fragment, b[0], b[1]);
-        mma_bf16_16816(out_acc[2 * pair + 1], p_fragment, b[2], b[3]);
+        mma_bf16_16816(out_acc[2 * pair], p_fragment[pg], b[0], b[1]);
+        mma_bf16_16816(out_acc[2 * pair + 1], p_fragment[pg], b[2], b[3]);
       }
     }
 
