@@ -30,7 +30,9 @@ flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"
 flags.DEFINE_string("tag", "", "Suffix of the result file names.")
 flags.DEFINE_list("cases", [], "Run only these decode cases, as format:T:H (default: the whole grid).")
 flags.DEFINE_list("prefill_tokens", [], "Prefill token counts (default: the grid's).")
-flags.DEFINE_bool("empty_shard", True, "Also time a padded shard (valid_tokens = 0).")
+flags.DEFINE_bool("empty_shard", True, "Also time a padded shard (valid_tokens = 0) and the harness floor.")
+flags.DEFINE_bool("prefill", True, "Run the prefill cases.")
+flags.DEFINE_list("merge", [], "Only merge these bench JSON files into one result set (no GPU work).")
 FLAGS = flags.FLAGS
 
 TOPK = 2048
@@ -94,26 +96,29 @@ def baseline_view(cache, kv_format, page_size):
 
 # ------------------------------------------------------------------------------------------------
 
-def timed_scan(body, carry_like, xs, repeats):
-    """Median seconds per step of ``body`` scanned over ``xs`` (leading axis = steps)."""
+def timed_scan(body, operands, xs, repeats):
+    """Median seconds per step of ``body(operands, x)`` scanned over ``xs`` (leading axis = steps).
+
+    ``operands`` (the cache, q, ...) are arguments of the jitted function, never closed over: a
+    closed-over array would be baked into the executable as a constant."""
     import jax
     import jax.numpy as jnp
 
     @jax.jit
-    def run(xs):
+    def run(operands, xs):
         def step(carry, x):
-            return carry + body(x), None
+            return carry + body(operands, x), None
 
         total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), xs, unroll=True)
         return total
 
-    jax.block_until_ready(run(xs))
-    jax.block_until_ready(run(xs))
+    jax.block_until_ready(run(operands, xs))
+    jax.block_until_ready(run(operands, xs))
     steps = jax.tree_util.tree_leaves(xs)[0].shape[0]
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(run(xs))
+        jax.block_until_ready(run(operands, xs))
         samples.append((time.perf_counter() - start) / steps)
     return statistics.median(samples), min(samples), max(samples)
 
@@ -155,26 +160,27 @@ def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, i
     q = jnp.asarray(rng.standard_normal((tokens, heads, fmt.d_qk)), jnp.bfloat16)
     indices = jnp.asarray(rng.integers(0, num_slots, (steps, tokens, TOPK)), jnp.int32)
 
-    def op(idx):
+    def op(operands, idx):
+        q, cache = operands
         return jsm.sparse_mla(q, cache, idx, kv_format=fmt, sm_scale=sm_scale, impl=impl)
 
     # Correctness in the same run: the first rows against the C++ CPU kernel (itself checked against a
     # float64 oracle in the test suite), on the host so no GPU compile or autotuning is added per case.
     check_rows = min(tokens, 16)
-    out, lse = jax.jit(op)(indices[0])
+    out, lse = jax.jit(op)((q, cache), indices[0])
     cpu = jax.devices("cpu")[0]
     ref_out, ref_lse = jax.jit(lambda q, c, i: jsm.sparse_mla(q, c, i, kv_format=fmt, sm_scale=sm_scale))(
         *jax.device_put((q[:check_rows], cache_on_cpu(cache, cpu), indices[0, :check_rows]), cpu))
     ok, err, rel_l2, lse_err = accuracy(jax.device_put(out[:check_rows], cpu), jax.device_put(lse[:check_rows], cpu),
                                         ref_out, ref_lse)
 
-    seconds, fastest, slowest = timed_scan(lambda idx: jnp.sum(op(idx)[0].astype(jnp.float32)), None, indices,
-                                           FLAGS.repeats)
+    seconds, fastest, slowest = timed_scan(lambda ops, idx: jnp.sum(op(ops, idx)[0].astype(jnp.float32)), (q, cache),
+                                           indices, FLAGS.repeats)
     base_seconds = None
     if with_baseline:
         base_seconds, _, _ = timed_scan(
-            lambda idx: jnp.sum(baseline_attention(q, view, idx, sm_scale, kv_format)), None, indices,
-            max(3, FLAGS.repeats // 2))
+            lambda ops, idx: jnp.sum(baseline_attention(ops[0], ops[1], idx, sm_scale, kv_format)), (q, view),
+            indices, max(3, FLAGS.repeats // 2))
     flops = 2.0 * tokens * heads * TOPK * (fmt.d_qk + fmt.d_v)
     gathered = tokens * TOPK * fmt.bytes_per_token
     plan = jsm.plan(q.shape, fmt, TOPK, platform="cuda" if jax.default_backend() == "gpu" else "cpu", impl=impl)
@@ -202,21 +208,37 @@ def empty_shard_rows(jsm, cache_entry, rng):
     for valid in (tokens, 0):
         vt = jnp.int32(valid)
 
-        def op(idx, vt=vt):
+        def op(operands, idx):
+            q, cache, vt = operands
             return jsm.sparse_mla(q, cache, idx, kv_format=fmt, sm_scale=fmt.d_qk ** -0.5, valid_tokens=vt)
 
-        out, lse = jax.jit(op)(indices[0])
+        out, lse = jax.jit(op)((q, cache, vt), indices[0])
         ok = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
         if valid == 0:
             ok = ok and bool(jnp.all(out == 0)) and bool(jnp.all(lse == -jnp.inf))
-        seconds, fastest, slowest = timed_scan(lambda idx: jnp.sum(op(idx)[0].astype(jnp.float32)), None, indices,
-                                               FLAGS.repeats)
+        seconds, fastest, slowest = timed_scan(lambda ops, idx: jnp.sum(op(ops, idx)[0].astype(jnp.float32)),
+                                               (q, cache, vt), indices, FLAGS.repeats)
         rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": f"valid_tokens={valid}",
                      "variant": jsm.plan(q.shape, fmt, TOPK, platform="cuda").variant, "num_splits": 0,
                      "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6, "tflops": 0.0,
                      "gbps": 0.0, "baseline_us": None, "speedup": None, "check": "ok" if ok else "FAIL",
                      "max_err": 0.0, "rel_l2": 0.0, "lse_err": 0.0})
         print(json.dumps(rows[-1]), flush=True)
+    # The harness floor: the same scan where the op only materialises an output-sized array (zeros but
+    # one element per row that depends on the step's indices) that the step then sums.
+    out_shape = (tokens, heads, fmt.d_v)
+
+    def floor_op(idx):
+        return jnp.zeros(out_shape, jnp.bfloat16).at[:, 0, 0].set(idx[:, 0].astype(jnp.bfloat16))
+
+    seconds, fastest, slowest = timed_scan(lambda ops, idx: jnp.sum(floor_op(idx).astype(jnp.float32)), (), indices,
+                                           FLAGS.repeats)
+    rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": "floor",
+                 "variant": "harness floor (write + sum an output-sized array)", "num_splits": 0,
+                 "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6, "tflops": 0.0,
+                 "gbps": 0.0, "baseline_us": None, "speedup": None, "check": "ok", "max_err": 0.0, "rel_l2": 0.0,
+                 "lse_err": 0.0})
+    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -236,6 +258,8 @@ def write_results(rows, device):
         kernel = r["variant"] + (f" ({r['num_splits']} splits)" if r["variant"] == "decode" else "")
         if r["impl"].startswith("valid_tokens"):
             kernel += f", {r['impl']}"
+        elif r["impl"] == "floor":
+            kernel = r["variant"]
         lines.append(f"| {r['format']} | {kernel} | {r['T']} | {r['H']} | {r['us']:.1f} | {r['tflops']:.0f} | "
                      f"{r['gbps']:.0f} | {base} | {speed} | {r['check']} |")
     table = "\n".join(lines) + "\n"
@@ -282,6 +306,15 @@ def main(argv):
 
     import jax_sparse_mla as jsm
 
+    if FLAGS.merge:
+        rows, device = [], None
+        for path in FLAGS.merge:
+            with open(path) as f:
+                data = json.load(f)
+            device = device or data["device"]
+            rows.extend(data["rows"])
+        print(write_results(rows, device))
+        return 0
     device = jax.devices()[0].device_kind
     rng = np.random.default_rng(0)
     page_size = 64
@@ -301,14 +334,16 @@ def main(argv):
     else:
         decode_cases = [(f, t, h) for f in FLAGS.formats for t, h in decode_grid(FLAGS.grid)]
     prefill_cases = ([(int(t), 128) for t in FLAGS.prefill_tokens] if FLAGS.prefill_tokens
-                     else prefill_grid(FLAGS.grid))
+                     else prefill_grid(FLAGS.grid)) if FLAGS.prefill else []
     prefill_impl = "prefill" if jsm.cuda_available() else "auto"
     work = [(f, t, h, "auto", True) for f, t, h in decode_cases]
     work += [("dsv3_2", t, h, prefill_impl, t <= 1024) for t, h in prefill_cases]
     for kv_format, tokens, heads, impl, with_baseline in work:
         cache, view, num_slots = caches[kv_format]
+        started = time.perf_counter()
         rows.append(run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, impl, rng,
                              with_baseline))
+        rows[-1]["wall_s"] = time.perf_counter() - started
         print(json.dumps(rows[-1]), flush=True)
         write_results(rows, device)  # a run cut short still leaves its table
     if FLAGS.empty_shard:

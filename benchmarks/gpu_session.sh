@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh sanitize       # build + compute-sanitizer memcheck on a subset
 #   bash benchmarks/gpu_session.sh bench          # build + GPU smoke tier + the full benchmark grid
 #   bash benchmarks/gpu_session.sh release        # build + benchmark grid + full tier + planner sweep
+#   bash benchmarks/gpu_session.sh sweep          # build + calibrate + planner sweep
 #   bash benchmarks/gpu_session.sh multi          # build + the multi-GPU sharding tests
 #
 # Logs and results go to $OUT (default /tmp/jsmla_out); a short table is printed last.
@@ -74,9 +75,15 @@ case "$mode" in
     ;;
   bench-cases)
     # A chosen subset of the grid: JSMLA_BENCH_ARGS, e.g. "--cases dsv3_2:128:128 --prefill_tokens 4096".
-    timeout "${JSMLA_BENCH_TIMEOUT:-400}" python3 "$repo/benchmarks/bench.py" $JSMLA_BENCH_ARGS --out_dir "$out" \
+    timeout "${JSMLA_BENCH_TIMEOUT:-400}" python3 "$repo/benchmarks/bench.py" ${JSMLA_BENCH_ARGS:-} --out_dir "$out" \
       > "$out/bench.log" 2>&1 || status=1
     tail -20 "$out/bench.log"
+    ;;
+  sweep)
+    timeout "${JSMLA_SWEEP_TIMEOUT:-300}" python3 "$repo/benchmarks/planner_sweep.py" --out_dir "$out" > "$out/sweep.log" 2>&1 \
+      || status=1
+    grep -E "^calibrated:" "$out/sweep.log"
+    tail -14 "$out/sweep.log"
     ;;
   multi)
     python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_multi_gpu.py" 2>&1 | tee "$out/multi.log" | tail -8

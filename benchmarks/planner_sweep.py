@@ -17,9 +17,11 @@ flags.DEFINE_string("kv_format", "dsv3_2", "Format of the sweep.")
 flags.DEFINE_list("tokens", ["1", "16", "64", "128", "1024"], "Token counts.")
 flags.DEFINE_list("heads", ["16", "128"], "Head counts.")
 flags.DEFINE_integer("topk", 2048, "Candidates per row.")
+flags.DEFINE_integer("passes", 2, "Timings of each choice (averaged).")
 FLAGS = flags.FLAGS
 
 SPLITS = (2, 4, 8, 16)
+SPLITS_FEW_TOKENS = SPLITS + (32, 64)  # T <= 16 (more splits would only grow the workspace elsewhere)
 
 
 def main(argv):
@@ -34,6 +36,7 @@ def main(argv):
     def progress(done, total, label):
         print(f"  calibrate [{done}/{total}] {label}", flush=True)
 
+    # Calibration shapes (T in _measure.CALIBRATION_TOKENS, H in 16/64/128) differ from the sweep's T.
     constants = calibration.calibrate(formats=(FLAGS.kv_format,), topks=(FLAGS.topk,), force=True,
                                       progress=progress)
     print("calibrated:", json.dumps(constants), flush=True)
@@ -42,11 +45,17 @@ def main(argv):
     for heads in map(int, FLAGS.heads):
         for tokens in map(int, FLAGS.tokens):
             tiles = [t for t in cuda_config.HEAD_TILES[FLAGS.kv_format] if t <= max(heads, 16)]
-            measured = {}
+            choices = []
             for tile in tiles:
-                measured[("prefill", tile, 1)] = bench.time(tokens, heads, FLAGS.topk, "prefill", tile)
-                for splits in SPLITS:
-                    measured[("decode", tile, splits)] = bench.time(tokens, heads, FLAGS.topk, "decode", tile, splits)
+                choices.append(("prefill", tile, 1))
+                choices += [("decode", tile, splits) for splits in (SPLITS_FEW_TOKENS if tokens <= 16 else SPLITS)]
+            # Two passes over all choices (fresh index sets each), averaged: run-to-run noise of one
+            # timing is several percent, more at T=1.
+            timings = {key: [] for key in choices}
+            for _ in range(FLAGS.passes):
+                for key in choices:
+                    timings[key].append(bench.time(tokens, heads, FLAGS.topk, key[0], key[1], key[2]))
+            measured = {key: sum(v) / len(v) for key, v in timings.items()}
             best_key = min(measured, key=measured.get)
             shape = (tokens, heads, jsm.get_format(FLAGS.kv_format).d_qk)
             picks = {}

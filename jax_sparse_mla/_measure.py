@@ -1,13 +1,11 @@
 """On-device measurements behind :func:`jax_sparse_mla.calibration.calibrate`.
 
 Times forced plans of the CUDA kernels (PERF.md method: a ``lax.scan`` over rotating index sets in
-one jitted call, median of several calls) and fits :class:`jax_sparse_mla.planner.CostModel`:
-
-- per head tile h, single-block prefill launches over two candidate counts give the per-candidate
-  slope ``dequant_ns + h * mma_ns_per_head`` and the per-block intercept; two head tiles separate
-  the two terms;
-- one and two blocks per SM of the small tile give the throughput gain of co-resident blocks;
-- a decode launch with many splits, against the same work unsplit, gives the combine's bandwidth.
+one jitted call, median of several calls) and fits :class:`jax_sparse_mla.planner.CostModel`: for
+every calibration shape (token counts :data:`CALIBRATION_TOKENS` × the requested head counts and
+candidate counts) it times every choice the planner has (prefill and a range of decode split counts,
+per instantiated head tile), then fits all constants at once by least squares on the logarithm of
+the time (relative error), with a small Nelder–Mead search started from the defaults.
 """
 
 from __future__ import annotations
@@ -86,62 +84,106 @@ class _Bench:
         return time_plan(plan, problem, q, self.cache, indices)
 
 
+#: Token counts of the calibration shapes (the planner sweep checks the fit on other shapes).
+CALIBRATION_TOKENS = (4, 32, 256)
+#: Constants the fit adjusts, with how each is kept in range (log, log of (x - 1), logit).
+_FIT_PARAMETERS = (("launch_us", "log"), ("block_us", "log"), ("dequant_ns", "log"), ("mma_ns_per_head", "log"),
+                   ("co_residency_gain", "log1"), ("combine_gbps", "log"), ("tail", "logit"))
+
+
+def calibration_choices(tokens: int, heads: int, kv_format: str):
+    """(variant, head tile, splits) timed for one calibration shape."""
+    splits = (2, 4, 8) if tokens >= 256 else (2, 4, 8, 16) if tokens > 4 else (2, 4, 8, 16, 32)
+    for tile in cuda_config.HEAD_TILES[kv_format]:
+        if tile > max(heads, cuda_config.HEAD_TILES[kv_format][0]):
+            continue
+        yield ("prefill", tile, 1)
+        for s in splits:
+            yield ("decode", tile, s)
+
+
+def _encode(model: planner.CostModel) -> np.ndarray:
+    values = []
+    for name, kind in _FIT_PARAMETERS:
+        v = getattr(model, name)
+        values.append(np.log(max(v - 1.0, 1e-6)) if kind == "log1" else
+                      np.log(max(v, 1e-6) / max(1.0 - v, 1e-6)) if kind == "logit" else np.log(max(v, 1e-9)))
+    return np.array(values)
+
+
+def _decode(x: np.ndarray) -> planner.CostModel:
+    values = {}
+    for (name, kind), v in zip(_FIT_PARAMETERS, x):
+        v = float(np.clip(v, -40.0, 40.0))
+        values[name] = 1.0 + np.exp(v) if kind == "log1" else 1.0 / (1.0 + np.exp(-v)) if kind == "logit" else np.exp(v)
+    return planner.CostModel(**values)
+
+
+def _nelder_mead(f, x0: np.ndarray, iterations: int = 3000, step: float = 0.5) -> np.ndarray:
+    """Minimises f from x0 (deterministic simplex search; enough for a handful of parameters)."""
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = np.argsort(values)
+        simplex = [simplex[i] for i in order]
+        values = [values[i] for i in order]
+        if values[-1] - values[0] < 1e-10:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = centroid + (centroid - simplex[-1])
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2.0 * (centroid - simplex[-1])
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                simplex = [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex]
+                values = [f(x) for x in simplex]
+    return simplex[int(np.argmin(values))]
+
+
+def fit_cost_model(samples, device) -> planner.CostModel:
+    """Least-squares fit (log time) of the model to ``samples``: (kv_format, tokens, heads, candidates,
+    variant, head tile, splits, measured µs) tuples."""
+
+    def loss(x):
+        model = _decode(x)
+        total = 0.0
+        for kv_format, tokens, heads, candidates, variant, tile, splits, measured in samples:
+            predicted = planner.option_us(model, get_format(kv_format), tokens, heads, candidates, variant, tile,
+                                          splits, device)
+            total += (np.log(predicted) - np.log(measured)) ** 2
+        return total
+
+    best = _encode(planner.CostModel())
+    for _ in range(3):  # restarts around the best point so far
+        best = _nelder_mead(loss, best)
+    return _decode(best)
+
+
 def measure_cost_model(device, *, formats, heads, topks, progress: Optional[Callable] = None) -> dict:
-    """Fits the cost model on the local device; returns its constants as a dict."""
-    del heads  # the fit uses the instantiated head tiles; the argument keeps the CLI's grid explicit
-    fits = []
-    topk = max(topks)
-    steps_total = len(formats) * 6
+    """Times the calibration shapes on the local device and returns the fitted constants as a dict."""
+    shapes = [(kv_format, tokens, h, topk) for kv_format in formats for topk in topks
+              for h in heads for tokens in CALIBRATION_TOKENS]
+    total = sum(len(list(calibration_choices(t, h, f))) for f, t, h, _ in shapes)
     done = 0
-
-    def tick(label):
-        nonlocal done
-        done += 1
-        if progress is not None:
-            progress(done, steps_total, label)
-
-    for kv_format in formats:
-        bench = _Bench(kv_format)
-        tiles = cuda_config.HEAD_TILES[kv_format]
-        small, large = tiles[0], tiles[-1]
-        slopes, intercepts = {}, {}
-        for tile in (small, large):
-            long_us = bench.time(1, tile, topk, "prefill", tile)
-            tick(f"{kv_format} 1 block x {topk} candidates, head tile {tile}")
-            short_us = bench.time(1, tile, topk // 4, "prefill", tile)
-            tick(f"{kv_format} 1 block x {topk // 4} candidates, head tile {tile}")
-            slopes[tile] = max((long_us - short_us) / (0.75 * topk), 1e-6) * 1e3  # ns per candidate
-            intercepts[tile] = max(short_us - slopes[tile] * (topk // 4) / 1e3, 0.0)
-        mma_ns = max((slopes[large] - slopes[small]) / (large - small), 0.0)
-        dequant_ns = max(slopes[small] - small * mma_ns, 0.0)
-        block_us = statistics.mean(intercepts.values())
-        # Co-residency: one block per SM, then two per SM of the small tile (which fits twice).
-        one_us = bench.time(device.sm_count, small, topk, "prefill", small)
-        two_us = bench.time(2 * device.sm_count, small, topk, "prefill", small)
-        tick(f"{kv_format} {2 * device.sm_count} small-tile blocks (co-residency)")
-        gain = min(max(2.0 * one_us / max(two_us, 1e-6), 1.0), 2.0)
-        splits = 16
-        split_us = bench.time(8, large, topk, "decode", large, splits)
-        tick(f"{kv_format} decode {splits} splits (combine)")
-        fits.append(dict(dequant_ns=dequant_ns, mma_ns_per_head=mma_ns, block_us=block_us, co_residency_gain=gain,
-                         split_us=split_us))
-    model = planner.CostModel()
-    constants = dict(
-        launch_us=model.launch_us,
-        block_us=statistics.mean(f["block_us"] for f in fits),
-        dequant_ns=statistics.mean(f["dequant_ns"] for f in fits),
-        mma_ns_per_head=statistics.mean(f["mma_ns_per_head"] for f in fits),
-        co_residency_gain=statistics.mean(f["co_residency_gain"] for f in fits),
-    )
-    # The combine's share of the split measurement: what the model leaves unexplained by the kernel.
-    fitted = planner.CostModel.from_dict(constants)
-    last = fits[-1]
-    fmt = get_format(formats[-1])
-    large = cuda_config.HEAD_TILES[formats[-1]][-1]
-    split_size = -(-topk // 16)
-    kernel_only = fitted.kernel_us(8 * 16, split_size, large, device.sm_count,
-                                   planner.resident_blocks(formats[-1], large, device))
-    moved = 16 * 8 * large * (fmt.d_v + 1) * 4 + 8 * large * (2 * fmt.d_v + 4)
-    combine_share = max(last["split_us"] - kernel_only - fitted.launch_us, 1.0)
-    constants["combine_gbps"] = min(max(moved / combine_share / 1e3, 100.0), 4000.0)
-    return constants
+    samples = []
+    benches = {}
+    for kv_format, tokens, h, topk in shapes:
+        bench = benches.setdefault(kv_format, _Bench(kv_format))
+        for variant, tile, splits in calibration_choices(tokens, h, kv_format):
+            measured = bench.time(tokens, h, topk, variant, tile, splits)
+            samples.append((kv_format, tokens, h, topk, variant, tile, splits, measured))
+            done += 1
+            if progress is not None:
+                progress(done, total, f"{kv_format} T={tokens} H={h} topk={topk} {variant} tile {tile}"
+                                      + (f" x{splits}" if variant == "decode" else ""))
+    return fit_cost_model(samples, device).to_dict()

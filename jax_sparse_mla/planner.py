@@ -37,32 +37,42 @@ class CostModel:
     """Analytic time model of the portable CUDA kernels, in microseconds.
 
     A block over ``n`` candidates with a head tile of ``h`` heads costs, alone on an SM,
-    ``block_us + n * (dequant_ns + h * mma_ns_per_head) / 1000``. A launch puts
-    ``ceil(blocks / sm_count)`` blocks on the busiest SM, which runs them ``resident`` at a time
-    (the kernel's occupancy, see :func:`resident_blocks`); blocks sharing an SM are not free: ``r``
-    co-resident blocks finish in ``r / co_residency_gain`` solo-block times (``co_residency_gain``
-    applies for r > 1). The decode combine streams the partial results at ``combine_gbps``. The defaults come from the H200's conversion and
-    ``mma.sync`` rates (PERF.md); :func:`jax_sparse_mla.calibration.calibrate` fits them per device.
+    ``per_block = block_us + n * (dequant_ns + h * mma_ns_per_head) / 1000``. A launch of at most one
+    block per SM takes ``launch_us + per_block``. A larger launch is work-conserving: the SMs run
+    ``c = min(resident, blocks / sm_count)`` blocks each on average (``resident`` is the kernel's
+    occupancy, :func:`resident_blocks`), an SM's throughput grows from 1 (one block) to
+    ``co_residency_gain`` (``resident`` blocks) with ``c``, and the last blocks add a tail of
+    ``tail`` block times: ``launch_us + blocks * per_block / (sm_count * throughput) + tail * per_block``.
+    Many small blocks thus shorten the tail at the price of ``block_us`` each. The decode combine
+    streams the partial results at ``combine_gbps``. The defaults were fitted on an H200 (the
+    planner sweep of ``benchmarks/planner_sweep.py``); :func:`jax_sparse_mla.calibration.calibrate`
+    fits them per device.
     """
 
-    launch_us: float = 3.0
-    block_us: float = 2.0
-    dequant_ns: float = 25.0  # gather + FP8 -> BF16 conversion of one candidate row by one block
-    mma_ns_per_head: float = 0.45  # S = Q·Kᵀ and O += P·V of one candidate for one head
-    co_residency_gain: float = 1.35  # throughput of two co-resident blocks over one
-    combine_gbps: float = 2500.0
+    launch_us: float = 13.4  # per launch, as seen by a step of a jitted program
+    block_us: float = 0.72
+    dequant_ns: float = 89.0  # gather + FP8 -> BF16 conversion of one candidate row by one block
+    mma_ns_per_head: float = 0.52  # S = Q·Kᵀ and O += P·V of one candidate for one head
+    co_residency_gain: float = 1.79  # throughput of `resident` co-resident blocks over one
+    combine_gbps: float = 1570.0
+    tail: float = 0.36  # the last wave's imbalance, in block times
+
+    def block_time_us(self, candidates_per_block: int, head_tile: int) -> float:
+        """One block alone on an SM."""
+        return self.block_us + candidates_per_block * (self.dequant_ns + head_tile * self.mma_ns_per_head) / 1e3
 
     def kernel_us(self, blocks: int, candidates_per_block: int, head_tile: int, sm_count: int,
                   resident: int = 1) -> float:
-        per_block = self.block_us + candidates_per_block * (self.dequant_ns + head_tile * self.mma_ns_per_head) / 1e3
-        busiest = _ceil_div(blocks, max(1, sm_count))
+        per_block = self.block_time_us(candidates_per_block, head_tile)
+        sm_count = max(1, sm_count)
+        if blocks <= sm_count:
+            return self.launch_us + per_block
         resident = max(1, resident)
-        full_rounds, rest = divmod(busiest, resident)
-
-        def round_us(count):
-            return per_block * (count if count == 1 else count / self.co_residency_gain)
-
-        return self.launch_us + full_rounds * round_us(resident) + (round_us(rest) if rest else 0.0)
+        throughput = 1.0
+        if resident > 1:
+            concurrency = min(float(resident), blocks / sm_count)
+            throughput = 1.0 + (self.co_residency_gain - 1.0) * (concurrency - 1.0) / (resident - 1)
+        return self.launch_us + blocks * per_block / (sm_count * throughput) + self.tail * per_block
 
     def combine_us(self, num_splits: int, num_tokens: int, num_heads: int, d_v: int) -> float:
         moved = num_splits * num_tokens * num_heads * (d_v + 1) * 4 + num_tokens * num_heads * (2 * d_v + 4)
@@ -187,24 +197,37 @@ def resident_blocks(kv_format: str, heads_per_block: int, device: DeviceInfo) ->
     return max(1, min(by_registers, by_shared))
 
 
+def option_us(model: CostModel, fmt: KVFormat, num_tokens: int, num_heads: int, candidates: int, variant: str,
+              heads_per_block: int, num_splits: int, device: DeviceInfo) -> float:
+    """The model's time for one choice (``num_splits`` is rounded to whole split granules)."""
+    base_blocks = num_tokens * _ceil_div(num_heads, heads_per_block)
+    resident = resident_blocks(fmt.key, heads_per_block, device)
+    if variant == "prefill":
+        return model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count, resident)
+    split_size, num_splits = split_layout(candidates, num_splits)
+    return (model.kernel_us(base_blocks * num_splits, split_size, heads_per_block, device.sm_count, resident)
+            + model.combine_us(num_splits, num_tokens, num_heads, fmt.d_v))
+
+
+def split_layout(candidates: int, num_splits: int):
+    """(split size, split count) for about ``num_splits`` splits of whole granules."""
+    split_size = _round_up(_ceil_div(candidates, num_splits), cuda_config.SPLIT_GRANULE)
+    return split_size, _ceil_div(candidates, split_size)
+
+
 def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: DeviceInfo, model: CostModel,
                   impl):
     """Every (predicted µs, variant, head tile, splits, split size) the planner may choose from."""
-    tile = cuda_config.SPLIT_GRANULE
     options = []
     for heads_per_block in cuda_config.HEAD_TILES[fmt.key]:
-        head_tiles = _ceil_div(num_heads, heads_per_block)
-        base_blocks = num_tokens * head_tiles
-        resident = resident_blocks(fmt.key, heads_per_block, device)
         if impl in ("auto", "prefill"):
-            us = model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count, resident)
+            us = option_us(model, fmt, num_tokens, num_heads, candidates, "prefill", heads_per_block, 1, device)
             options.append((us, "prefill", heads_per_block, 1, candidates))
         if impl in ("auto", "decode"):
             for splits in SPLIT_CHOICES:
-                split_size = _round_up(_ceil_div(candidates, splits), tile)
-                splits = _ceil_div(candidates, split_size)
-                us = (model.kernel_us(base_blocks * splits, split_size, heads_per_block, device.sm_count, resident)
-                      + model.combine_us(splits, num_tokens, num_heads, fmt.d_v))
+                split_size, splits = split_layout(candidates, splits)
+                us = option_us(model, fmt, num_tokens, num_heads, candidates, "decode", heads_per_block, splits,
+                               device)
                 options.append((us, "decode", heads_per_block, splits, split_size))
     return options
 

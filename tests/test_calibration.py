@@ -189,3 +189,28 @@ def test_cuda_plans_respect_the_kernel_contract(cache_dir):
                         assert p.num_splits * p.split_size >= topk
                         assert (p.num_splits - 1) * p.split_size < topk  # no empty split
                         assert p.workspace_bytes == cuda_config.workspace_bytes(p.num_splits, t, h, fmt.d_v)
+
+
+def test_fit_recovers_a_known_cost_model():
+    """calibrate()'s least-squares fit, on times a known model predicts for the calibration shapes,
+    predicts every timed choice within 3% and plans like the known model on other shapes."""
+    from jax_sparse_mla import _measure
+
+    fmt = jsm.get_format("dsv3_2")
+    truth = planner.CostModel(launch_us=9.0, block_us=1.5, dequant_ns=70.0, mma_ns_per_head=0.7,
+                              co_residency_gain=1.6, combine_gbps=2000.0, tail=0.5)
+    samples = []
+    for heads in (16, 64, 128):
+        for tokens in _measure.CALIBRATION_TOKENS:
+            for variant, tile, splits in _measure.calibration_choices(tokens, heads, fmt.key):
+                us = planner.option_us(truth, fmt, tokens, heads, 2048, variant, tile, splits, DEVICE)
+                samples.append((fmt.key, tokens, heads, 2048, variant, tile, splits, us))
+    fitted = _measure.fit_cost_model(samples, DEVICE)
+    assert fitted != planner.CostModel()
+    for key, tokens, heads, candidates, variant, tile, splits, us in samples:
+        predicted = planner.option_us(fitted, fmt, tokens, heads, candidates, variant, tile, splits, DEVICE)
+        assert predicted == pytest.approx(us, rel=0.03)
+    for tokens, heads in ((1, 16), (16, 128), (64, 16), (128, 128), (1024, 64)):
+        a = jsm.plan((tokens, heads, 576), fmt, 2048, platform="cuda", device=DEVICE, cost_model=truth)
+        b = jsm.plan((tokens, heads, 576), fmt, 2048, platform="cuda", device=DEVICE, cost_model=fitted)
+        assert b.predicted_us == pytest.approx(a.predicted_us, rel=0.05)
