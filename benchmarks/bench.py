@@ -154,7 +154,6 @@ def cache_on_cpu(cache, cpu):
 def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, impl, rng, with_baseline):
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     fmt = jsm.get_format(kv_format)
     sm_scale = fmt.d_qk ** -0.5

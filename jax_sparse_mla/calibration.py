@@ -15,7 +15,6 @@ constants of :class:`jax_sparse_mla.planner.CostModel` that :func:`calibrate` me
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import os
@@ -140,8 +139,6 @@ def store(device_name: str, constants: dict, path: Optional[pathlib.Path] = None
 
 
 def _inside_trace() -> bool:
-    import jax
-
     try:
         from jax._src import core
     except ImportError:  # pragma: no cover - layout of a future jax
