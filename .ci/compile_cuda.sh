@@ -12,6 +12,7 @@ ffi_include=$("$python" -c "import jaxlib, os; print(os.path.join(os.path.dirnam
 family_sources=(
   kernels/cuda/portable/instances/dsv3_2_h64.cu  # portable family (mma.sync)
   kernels/cuda/portable/instances/dsv4_h16.cu
+  kernels/cuda/portable/instances/glm_nsa_h64.cu # its exact arbitrary-FP32-scale path
   kernels/cuda/combine.cu                         # split-K combine
 )
 for arch in 80 120a; do
