@@ -204,10 +204,13 @@ def empty_shard_rows(jsm, cache_entry, rng):
     fmt = jsm.get_format("dsv3_2")
     tokens, heads = 128, 128
     q = jnp.asarray(rng.standard_normal((tokens, heads, fmt.d_qk)), jnp.bfloat16)
-    indices = jnp.asarray(rng.integers(0, num_slots, (FLAGS.steps, tokens, TOPK)), jnp.int32)
+    # The empty shard and the floor are short steps: time them over as many steps as small-T cases.
+    short_steps = max(FLAGS.steps, FLAGS.small_steps)
+    all_indices = jnp.asarray(rng.integers(0, num_slots, (short_steps, tokens, TOPK)), jnp.int32)
     rows = []
     for valid in (tokens, 0):
         vt = jnp.int32(valid)
+        indices = all_indices[:FLAGS.steps] if valid else all_indices
 
         def op(operands, idx):
             q, cache, vt = operands
@@ -223,7 +226,7 @@ def empty_shard_rows(jsm, cache_entry, rng):
                      "variant": jsm.plan(q.shape, fmt, TOPK, platform="cuda").variant, "num_splits": 0,
                      "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6, "tflops": 0.0,
                      "gbps": 0.0, "baseline_us": None, "speedup": None, "check": "ok" if ok else "FAIL",
-                     "max_err": 0.0, "rel_l2": 0.0, "lse_err": 0.0})
+                     "max_err": 0.0, "rel_l2": 0.0, "lse_err": 0.0, "steps": int(indices.shape[0])})
         print(json.dumps(rows[-1]), flush=True)
     # The harness floor: the same scan where the op only materialises an output-sized array (zeros but
     # one element per row that depends on the step's indices) that the step then sums.
@@ -232,13 +235,13 @@ def empty_shard_rows(jsm, cache_entry, rng):
     def floor_op(idx):
         return jnp.zeros(out_shape, jnp.bfloat16).at[:, 0, 0].set(idx[:, 0].astype(jnp.bfloat16))
 
-    seconds, fastest, slowest = timed_scan(lambda ops, idx: jnp.sum(floor_op(idx).astype(jnp.float32)), (), indices,
-                                           FLAGS.repeats)
+    seconds, fastest, slowest = timed_scan(lambda ops, idx: jnp.sum(floor_op(idx).astype(jnp.float32)), (),
+                                           all_indices, FLAGS.repeats)
     rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": "floor",
                  "variant": "harness floor (write + sum an output-sized array)", "num_splits": 0,
                  "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6, "tflops": 0.0,
                  "gbps": 0.0, "baseline_us": None, "speedup": None, "check": "ok", "max_err": 0.0, "rel_l2": 0.0,
-                 "lse_err": 0.0})
+                 "lse_err": 0.0, "steps": int(all_indices.shape[0])})
     print(json.dumps(rows[-1]), flush=True)
     return rows
 
