@@ -93,7 +93,8 @@ _FIT_PARAMETERS = (("launch_us", "log"), ("block_us", "log"), ("dequant_ns", "lo
 
 def calibration_choices(tokens: int, heads: int, kv_format: str):
     """(variant, head tile, splits) timed for one calibration shape."""
-    splits = (2, 4, 8) if tokens >= 256 else (2, 4, 8, 16) if tokens > 4 else (2, 4, 8, 16, 32)
+    # Few tokens: the planner's whole split range (the combine of 48-64 splits is not extrapolated).
+    splits = (2, 4, 8) if tokens >= 256 else (2, 4, 8, 16) if tokens > 4 else (2, 4, 8, 16, 32, 64)
     for tile in cuda_config.HEAD_TILES[kv_format]:
         if tile > max(heads, cuda_config.HEAD_TILES[kv_format][0]):
             continue
