@@ -34,7 +34,6 @@ flags.DEFINE_list("cases", [], "Run only these decode cases, as format:T:H (defa
 flags.DEFINE_list("prefill_tokens", [], "Prefill token counts (default: the grid's).")
 flags.DEFINE_bool("empty_shard", True, "Also time a padded shard (valid_tokens = 0) and the harness floor.")
 flags.DEFINE_bool("prefill", True, "Run the prefill cases.")
-flags.DEFINE_list("merge", [], "Only merge these bench JSON files into one result set (no GPU work).")
 FLAGS = flags.FLAGS
 
 TOPK = 2048
@@ -312,15 +311,6 @@ def main(argv):
 
     import jax_sparse_mla as jsm
 
-    if FLAGS.merge:
-        rows, device = [], None
-        for path in FLAGS.merge:
-            with open(path) as f:
-                data = json.load(f)
-            device = device or data["device"]
-            rows.extend(data["rows"])
-        print(write_results(rows, device))
-        return 0
     device = jax.devices()[0].device_kind
     rng = np.random.default_rng(0)
     page_size = 64

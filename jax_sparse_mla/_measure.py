@@ -54,9 +54,7 @@ def forced_plan(problem, variant: str, heads_per_block: int, num_splits: int = 1
     base = planner.plan((problem.num_tokens, problem.num_heads, problem.fmt.d_qk), problem.fmt, problem.topk,
                         platform="cuda", impl="prefill")
     candidates = problem.topk
-    granule = cuda_config.SPLIT_GRANULE
-    split_size = -(-(-(-candidates // num_splits)) // granule) * granule
-    num_splits = -(-candidates // split_size)
+    split_size, num_splits = planner.split_layout(candidates, num_splits)
     workspace = (cuda_config.workspace_bytes(num_splits, problem.num_tokens, problem.num_heads, problem.fmt.d_v)
                  if variant == "decode" else 0)
     return dataclasses.replace(base, variant=variant, heads_per_block=heads_per_block, num_splits=num_splits,
