@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compiles the CUDA sources without a GPU: the whole CUDA extension for sm_90a, plus one instantiation
-# of every kernel family for sm_80 and sm_120a (the portable family must keep compiling there).
+# of every kernel family for sm_80 and sm_120a (the portable family must keep compiling there; the
+# Hopper family compiles to a trap there and is never launched).
 # Usage: .ci/compile_cuda.sh BUILD_DIR   (needs nvcc, jaxlib and nanobind in the active Python)
 set -euo pipefail
 build=${1:?build directory}
@@ -13,6 +14,7 @@ family_sources=(
   kernels/cuda/portable/instances/dsv3_2_h64.cu  # portable family (mma.sync)
   kernels/cuda/portable/instances/dsv4_h16.cu
   kernels/cuda/portable/instances/glm_nsa_h64.cu # its exact arbitrary-FP32-scale path
+  kernels/cuda/hopper/instances/dsv3_2.cu       # Hopper family (wgmma; an empty body off sm_90a)
   kernels/cuda/combine.cu                         # split-K combine
 )
 for arch in 80 120a; do

@@ -25,6 +25,12 @@ set(JSMLA_CUDA_SOURCES
   kernels/cuda/portable/instances/glm53_nope_h64.cu
   kernels/cuda/portable/instances/glm_nsa_h16.cu
   kernels/cuda/portable/instances/glm_nsa_h64.cu
+  kernels/cuda/hopper/registry.cu
+  kernels/cuda/hopper/instances/bf16_512.cu
+  kernels/cuda/hopper/instances/bf16_576.cu
+  kernels/cuda/hopper/instances/dsv3_2.cu
+  kernels/cuda/hopper/instances/dsv4.cu
+  kernels/cuda/hopper/instances/dsv4_1.cu
   ffi/cuda_handlers.cu
 )
 set(JSMLA_CUDA_MODULE_SOURCES

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 // nvcc's front end flags the XLA FFI headers (exhaustive switches without a trailing return,
@@ -16,12 +18,15 @@
 #pragma nv_diag_default 940
 #pragma nv_diag_default 2473
 #include "kernels/cuda/combine.h"
+#include "kernels/cuda/hopper/registry.h"
 #include "kernels/cuda/portable/registry.h"
 
 namespace jsmla::ffi_glue {
 namespace {
 
 namespace portable = jsmla::cuda::portable;
+namespace hopper = jsmla::cuda::hopper;
+using cuda::KernelInfo;
 
 // Host-side executions of the handler. Replays of an XLA command buffer (CUDA graph) that captured
 // the launches do not run the handler, which tests observe through this counter.
@@ -42,7 +47,7 @@ ffi::Error cuda_error(const char* what, cudaError_t error) {
 
 std::string format_heads_text(FormatId format) {
   std::string text;
-  for (const portable::KernelInfo* k = portable::kernels_begin(); k != portable::kernels_end(); ++k) {
+  for (const KernelInfo* k = portable::kernels_begin(); k != portable::kernels_end(); ++k) {
     if (k->format == format) text += (text.empty() ? "" : ", ") + std::to_string(k->heads_per_block);
   }
   return text;
@@ -62,7 +67,11 @@ ffi::Error check_cache_alignment(const char* name, const CacheView& view) {
 }
 
 // Device properties the plan must fit; queried on the current device (no device data is read).
-ffi::Error check_device(const portable::KernelInfo& kernel, int32_t min_sm_count) {
+struct DeviceFacts {
+  int capability = 0;  // major * 10 + minor
+  int max_shared = 0;  // opt-in shared memory per block
+};
+ffi::Error check_device(const KernelInfo& kernel, int32_t min_sm_count, DeviceFacts* facts) {
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cuda_error("cudaGetDevice", e);
   int major = 0, minor = 0, sm_count = 0, max_shared = 0;
@@ -86,7 +95,31 @@ ffi::Error check_device(const portable::KernelInfo& kernel, int32_t min_sm_count
                       "heads_per_block: the kernel needs " + std::to_string(kernel.shared_bytes) +
                           " bytes of shared memory per block, this device allows " + std::to_string(max_shared));
   }
+  facts->capability = capability;
+  facts->max_shared = max_shared;
   return ffi::Error::Success();
+}
+
+// JSMLA_CUDA_FAMILY=portable keeps sm_90 GPUs on the portable kernels (for comparisons and tests);
+// unset or "auto" lets them run the Hopper kernels. Read once per process.
+bool hopper_allowed() {
+  static const bool allowed = [] {
+    const char* value = std::getenv("JSMLA_CUDA_FAMILY");
+    return value == nullptr || std::strcmp(value, "portable") != 0;
+  }();
+  return allowed;
+}
+
+// The kernel that runs a plan on this device: the Hopper kernel for the same format and head tile
+// when the device is an sm_90 GPU and the build carries sm_90a code, the portable kernel otherwise.
+// Both serve the same plans (variants, split sizes, workspace layout).
+const KernelInfo* select_kernel(const KernelInfo* portable_kernel, const DeviceFacts& facts) {
+  const KernelInfo* fast = hopper::find_kernel(portable_kernel->format, portable_kernel->heads_per_block);
+  if (fast != nullptr && hopper::compiled() && hopper_allowed() && facts.capability == hopper::kComputeCapability &&
+      fast->shared_bytes <= facts.max_shared) {
+    return fast;
+  }
+  return portable_kernel;
 }
 
 ffi::Error SparseMlaCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cache,
@@ -113,7 +146,7 @@ ffi::Error SparseMlaCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Any
     return ffi::Error::InvalidArgument("variant: the CUDA target runs decode (1) or prefill (2), got " +
                                        std::to_string(variant));
   }
-  const portable::KernelInfo* kernel = portable::find_kernel(format->id, heads_per_block);
+  const KernelInfo* kernel = portable::find_kernel(format->id, heads_per_block);
   if (kernel == nullptr) {
     return ffi::Error::InvalidArgument("heads_per_block: expected one of {" + format_heads_text(format->id) +
                                        "} for kv_format " + std::to_string(kv_format) + ", got " +
@@ -139,7 +172,9 @@ ffi::Error SparseMlaCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Any
   if (reinterpret_cast<uintptr_t>(a.q) % 4 != 0 || !aligned16(a.out)) {
     return ffi::Error::InvalidArgument("q/out: the CUDA kernels need 4-byte aligned q and 16-byte aligned out");
   }
-  if (error = check_device(*kernel, min_sm_count); error.failure()) return error;
+  DeviceFacts facts;
+  if (error = check_device(*kernel, min_sm_count, &facts); error.failure()) return error;
+  kernel = select_kernel(kernel, facts);
 
   const int64_t num_tokens = a.num_tokens;
   if (num_tokens == 0) return ffi::Error::Success();

@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 
 #include "ffi/cuda_handlers.h"
+#include "kernels/cuda/hopper/registry.h"
 #include "kernels/cuda/portable/registry.h"
 
 namespace nb = nanobind;
@@ -31,6 +32,22 @@ nb::dict kernel_configs() {
   d["split_granule"] = portable::split_granule();
   d["min_compute_capability"] = portable::kMinComputeCapability;
   d["kernels"] = kernels;
+  namespace hopper = jsmla::cuda::hopper;
+  nb::list hopper_kernels;
+  for (const jsmla::cuda::KernelInfo* k = hopper::kernels_begin(); k != hopper::kernels_end(); ++k) {
+    nb::dict entry;
+    entry["kv_format"] = static_cast<int>(k->format);
+    entry["heads_per_block"] = k->heads_per_block;
+    entry["threads"] = k->threads;
+    entry["candidate_tile"] = k->candidate_tile;
+    entry["shared_bytes"] = k->shared_bytes;
+    hopper_kernels.append(entry);
+  }
+  nb::dict hopper_family;
+  hopper_family["compiled"] = hopper::compiled();
+  hopper_family["compute_capability"] = hopper::kComputeCapability;
+  hopper_family["kernels"] = hopper_kernels;
+  d["hopper"] = hopper_family;
   return d;
 }
 
@@ -46,5 +63,5 @@ NB_MODULE(_cuda_ext, m) {
   m.def("handler_invocations", &jsmla::ffi_glue::cuda_handler_invocations,
         "How many times the CUDA handler ran on the host (command-buffer replays do not run it).");
   m.def("kernel_configs", &kernel_configs,
-        "The portable family's compiled constants (mirrored by jax_sparse_mla.cuda_config).");
+        "The compiled constants of the portable and Hopper families (mirrored by jax_sparse_mla.cuda_config).");
 }

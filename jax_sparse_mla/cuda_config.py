@@ -1,7 +1,14 @@
-"""Constants of the portable CUDA kernel family that the planner needs (plain Python, no jax import).
+"""Constants of the CUDA kernel families that the planner needs (plain Python, no jax import).
 
-Mirrors ``kernels/cuda/portable`` (config.cuh, registry.cu) and ``kernels/cuda/split_workspace.h``;
-``_cuda_ext.kernel_configs()`` reports the compiled values and a test compares them with this module.
+Mirrors ``kernels/cuda/portable`` and ``kernels/cuda/hopper`` (config.cuh, registry.cu) and
+``kernels/cuda/split_workspace.h``; ``_cuda_ext.kernel_configs()`` reports the compiled values and a
+test compares them with this module.
+
+Plans are written for the portable family. On an sm_90 GPU (H100/H200), with a build that includes
+sm_90a, the handler runs a plan whose ``(kv_format, heads_per_block)`` is in ``HOPPER_KERNELS`` on
+the Hopper family instead (wgmma, a producer warpgroup): the same variants, split sizes and workspace,
+so the plan is unchanged. ``JSMLA_CUDA_FAMILY=portable`` in the environment keeps every call on the
+portable kernels.
 
 Contract for a CUDA plan (checked again by ``ffi/cuda_handlers.cu``):
   * ``variant``: ``VARIANTS["decode"]`` (split-K over the candidate list + a combine kernel, needs the
@@ -57,6 +64,27 @@ KERNELS = {
     ("bf16_512", 16): KernelConfig(128, 32, 74368),
     ("bf16_512", 64): KernelConfig(256, 32, 82560),
 }
+
+#: The Hopper family (sm_90a only): (kv_format key, heads_per_block) -> its launch shape.
+HOPPER_KERNELS = {
+    ("dsv3_2", 64): KernelConfig(384, 32, 193792),
+    ("dsv4", 64): KernelConfig(384, 32, 173312),
+    ("dsv4_1", 64): KernelConfig(384, 32, 169216),
+    ("bf16_576", 64): KernelConfig(384, 32, 222464),
+    ("bf16_512", 64): KernelConfig(384, 32, 197888),
+}
+#: The compute capability the Hopper family runs on (sm_90a code runs on 9.0 devices only).
+HOPPER_COMPUTE_CAPABILITY = 90
+
+
+def kernel_family(kv_format: str, heads_per_block: int, compute_capability: int, max_shared_bytes: int) -> str:
+    """Which family runs a plan on a device: ``"hopper"`` or ``"portable"`` (mirrors the handler)."""
+    config = HOPPER_KERNELS.get((kv_format, heads_per_block))
+    if (config is not None and compute_capability == HOPPER_COMPUTE_CAPABILITY
+            and config.shared_bytes <= max_shared_bytes):
+        return "hopper"
+    return "portable"
+
 
 #: Instantiated head tiles per format, ascending (dots3_swa's 1088-wide rows cap it at 32).
 HEAD_TILES = {

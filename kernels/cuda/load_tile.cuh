@@ -90,31 +90,38 @@ struct TileLoader {
   // Writes this thread's units of one tile row: dequantized when `valid`, zeros otherwise.
   static JSMLA_DEVICE void convert(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot,
                                    uint16_t* tile_row, int sub) {
+    convert_into(valid, staged_row, scale_slot, sub,
+                 [&](int first_dim, uint4 values) { *reinterpret_cast<uint4*>(tile_row + first_dim) = values; });
+  }
+
+  // The same for any tile layout: store(first_dim, values) writes the 8 BF16 values of K lanes
+  // [first_dim, first_dim + 8) of the row (first_dim is a multiple of 8).
+  template <class Store>
+  static JSMLA_DEVICE void convert_into(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot, int sub,
+                                        Store&& store) {
 #pragma unroll
     for (int i = 0; i < kUnitsPerThread; ++i) {
       const int unit = sub + i * kThreadsPerRow;
       if (unit >= kUnits) continue;
       if constexpr (kFp8Units > 0) {
         if (unit < kFp8Units) {
-          uint4* destination = reinterpret_cast<uint4*>(tile_row + 16 * unit);
           if (!valid) {
-            destination[0] = make_uint4(0, 0, 0, 0);
-            destination[1] = make_uint4(0, 0, 0, 0);
+            store(16 * unit, make_uint4(0, 0, 0, 0));
+            store(16 * unit + 8, make_uint4(0, 0, 0, 0));
             continue;
           }
           const uint4 fp8 = *reinterpret_cast<const uint4*>(staged_row + 16 * unit);
           float scale = group_scale_of(scale_slot, (16 * unit) / kF.group_size);
           if constexpr (kExactScales) scale = power_of_two_part(scale);
-          destination[0] = make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
-                                      fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale));
-          destination[1] = make_uint4(fp8x2_to_bf16x2(fp8.z, scale), fp8x2_to_bf16x2(fp8.z >> 16, scale),
-                                      fp8x2_to_bf16x2(fp8.w, scale), fp8x2_to_bf16x2(fp8.w >> 16, scale));
+          store(16 * unit, make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
+                                      fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale)));
+          store(16 * unit + 8, make_uint4(fp8x2_to_bf16x2(fp8.z, scale), fp8x2_to_bf16x2(fp8.z >> 16, scale),
+                                          fp8x2_to_bf16x2(fp8.w, scale), fp8x2_to_bf16x2(fp8.w >> 16, scale)));
           continue;
         }
       }
-      const int first_dim = kF.fp8_dim + 8 * (unit - kFp8Units);
-      *reinterpret_cast<uint4*>(tile_row + first_dim) =
-          valid ? *reinterpret_cast<const uint4*>(staged_row + 16 * unit) : make_uint4(0, 0, 0, 0);
+      store(kF.fp8_dim + 8 * (unit - kFp8Units),
+            valid ? *reinterpret_cast<const uint4*>(staged_row + 16 * unit) : make_uint4(0, 0, 0, 0));
     }
   }
 

@@ -31,4 +31,19 @@ JSMLA_DEVICE float lse_from_log2_state(float max_log2, float sum) {
   return sum > 0.0f ? (max_log2 + log2f(sum)) * kLn2 : -INFINITY;
 }
 
+// The end of one head row of a block's running softmax: the factor its output accumulators are
+// multiplied by and the lse it stores. A block that writes out/lse itself (write_final) folds in the
+// sink; a split of a decode call stores its own normalised state for the combine kernel.
+struct RowFinish {
+  float factor;
+  float lse;
+};
+JSMLA_DEVICE RowFinish finish_row(float max_log2, float sum, bool write_final, const float* attn_sink, int head) {
+  const float split_lse = lse_from_log2_state(max_log2, sum);
+  if (!write_final) return {sum > 0.0f ? 1.0f / sum : 0.0f, split_lse};
+  const float sink = attn_sink != nullptr ? attn_sink[head] : -INFINITY;
+  const float lse = lse_with_sink(split_lse, sink);
+  return {sum > 0.0f ? state_weight(split_lse, lse) / sum : 0.0f, lse};
+}
+
 }  // namespace jsmla::cuda

@@ -182,6 +182,11 @@ def test_kernel_configs_match_cuda_config():
     table = {(keys[k["kv_format"]], k["heads_per_block"]): (k["threads"], k["candidate_tile"], k["shared_bytes"])
              for k in compiled["kernels"]}
     assert table == {k: tuple(v) for k, v in cuda_config.KERNELS.items()}
+    hopper = compiled["hopper"]
+    assert hopper["compute_capability"] == cuda_config.HOPPER_COMPUTE_CAPABILITY
+    table = {(keys[k["kv_format"]], k["heads_per_block"]): (k["threads"], k["candidate_tile"], k["shared_bytes"])
+             for k in hopper["kernels"]}
+    assert table == {k: tuple(v) for k, v in cuda_config.HOPPER_KERNELS.items()}
 
 
 def _problem_and_plan(rng, **plan_changes):

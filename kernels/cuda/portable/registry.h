@@ -4,18 +4,12 @@
 #include <cuda_runtime.h>
 
 #include "kernels/common/formats.h"
+#include "kernels/cuda/kernel_info.h"
 #include "kernels/cuda/launch_params.h"
 
 namespace jsmla::cuda::portable {
 
-struct KernelInfo {
-  FormatId format;
-  int heads_per_block;
-  int threads;
-  int candidate_tile;
-  int shared_bytes;  // dynamic shared memory per block
-  cudaError_t (*launch)(const SplitKvParams&, cudaStream_t);
-};
+using cuda::KernelInfo;
 
 // Every instantiation, format-major, head tiles ascending.
 const KernelInfo* kernels_begin();

@@ -15,6 +15,7 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/cuda/candidate_tiles.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/launch_utils.h"
 #include "kernels/cuda/portable/launch.h"
@@ -22,41 +23,6 @@
 #include "kernels/cuda/softmax_merge.cuh"
 
 namespace jsmla::cuda::portable {
-
-// The candidate positions one block visits: split ∩ ([0, main_len) ∪ [main_topk, main_topk + extra_len)),
-// cut into tiles that never straddle the main/extra boundary. Positions past a row's length are never
-// visited; masked positions inside the range are zero-filled and get -inf scores.
-template <int kCandidateTile>
-struct CandidateTiles {
-  int32_t first_begin, first_end, second_begin, second_end;
-  int32_t first_count, count;
-
-  JSMLA_DEVICE CandidateTiles(const AttentionParams& a, int64_t token, int64_t split_begin, int64_t split_end) {
-    const int64_t main_topk = a.main.topk;
-    const int64_t main_length = a.main.row_length(token);
-    const int64_t extra_length = a.extra.topk > 0 ? a.extra.row_length(token) : 0;
-    first_begin = static_cast<int32_t>(split_begin);
-    first_end = static_cast<int32_t>(max(split_begin, min(split_end, main_length)));
-    second_begin = static_cast<int32_t>(max(split_begin, main_topk));
-    second_end = static_cast<int32_t>(max(static_cast<int64_t>(second_begin), min(split_end, main_topk + extra_length)));
-    first_count = (first_end - first_begin + kCandidateTile - 1) / kCandidateTile;
-    count = first_count + (second_end - second_begin + kCandidateTile - 1) / kCandidateTile;
-  }
-  JSMLA_DEVICE int32_t begin(int tile) const {
-    return tile < first_count ? first_begin + tile * kCandidateTile : second_begin + (tile - first_count) * kCandidateTile;
-  }
-  JSMLA_DEVICE int32_t end(int tile) const {
-    return tile < first_count ? min(begin(tile) + kCandidateTile, first_end) : min(begin(tile) + kCandidateTile, second_end);
-  }
-};
-
-// The candidate one loader thread gathers for a tile row: its list and raw index, read one tile early
-// so that the index load is in flight across the MMAs of the current tile.
-struct PendingRow {
-  bool in_range = false;  // false: past the end of the tile or of the block's range
-  bool in_extra = false;  // which list the position belongs to
-  int32_t index = -1;
-};
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(const __grid_constant__ SplitKvParams p) {
@@ -72,22 +38,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   float* const factors = reinterpret_cast<float*>(smem + Cfg::kFactorOffset);  // exact scales only
 
   const AttentionParams& a = p.attn;
-  const int64_t block = blockIdx.x;
-  const int split = static_cast<int>(block % p.num_splits);
-  const int head_tile = static_cast<int>((block / p.num_splits) % p.num_head_tiles);
-  const int64_t token = block / p.num_splits / p.num_head_tiles;
-  const int head_begin = head_tile * Cfg::kHeadTile;
+  const BlockCoordinates coordinates(p);
+  const int split = coordinates.split;
+  const int64_t token = coordinates.token;
+  const int head_begin = coordinates.head_tile * Cfg::kHeadTile;
   const int num_heads = a.num_heads;
   const bool write_final = p.workspace.partial_out == nullptr;
 
   if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
-    // Padding row: decode leaves it to the combine kernel; prefill writes the empty state here.
-    if (write_final) {
-      const int heads = min(Cfg::kHeadTile, num_heads - head_begin);
-      uint4* out = reinterpret_cast<uint4*>(a.out + (token * num_heads + head_begin) * Cfg::kDv);
-      for (int i = threadIdx.x; i < heads * Cfg::kDv / 8; i += Cfg::kThreads) out[i] = make_uint4(0, 0, 0, 0);
-      for (int h = threadIdx.x; h < heads; h += Cfg::kThreads) a.lse[token * num_heads + head_begin + h] = -INFINITY;
-    }
+    write_padding_rows<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
     return;
   }
 
@@ -103,25 +62,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   uint8_t* const scale_slot = scale_slots + threadIdx.x * kScaleSlotBytes;
   uint16_t* const tile_row = tile + load_row * kPitch;
 
-  auto read_row = [&](int tile_index) {
-    PendingRow row;
-    if (tile_index < tiles.count) {
-      const int32_t position = tiles.begin(tile_index) + load_row;
-      if (position < tiles.end(tile_index)) {
-        row.in_range = true;
-        row.in_extra = position >= a.main.topk;
-        const CandidateList& list = row.in_extra ? a.extra : a.main;
-        const int32_t j = row.in_extra ? position - a.main.topk : position;
-        row.index = load_global_nc(list.indices + token * list.topk + j);
-      }
-    }
-    return row;
-  };
+  auto read_row = [&](int tile_index) { return read_pending_row(a, tiles, token, tile_index, load_row); };
   // Starts the gather of a row; returns whether it is valid (a masked row is never read).
   auto issue_row = [&](const PendingRow& row) {
-    const CacheView& cache = row.in_extra ? a.extra.cache : a.main.cache;
-    const bool valid = row.in_range && cache.contains(row.index);
-    if (valid) Loader::issue(cache, row.index, staged_row, scale_slot, load_sub);
+    const bool valid = pending_valid(a, row);
+    if (valid) Loader::issue(pending_cache(a, row), row.index, staged_row, scale_slot, load_sub);
     cp_async_commit();
     return valid;
   };
@@ -339,27 +284,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   for (int r = 0; r < 2; ++r) {
     const int head = r == 0 ? head_a : head_b;
     if (head >= num_heads) continue;
-    const float split_lse = lse_from_log2_state(row_max[r], row_sum[r]);
+    const RowFinish finish = finish_row(row_max[r], row_sum[r], write_final, a.attn_sink, head);
     if (write_final) {
-      const float sink = a.attn_sink != nullptr ? a.attn_sink[head] : -INFINITY;
-      const float lse = lse_with_sink(split_lse, sink);
-      const float factor = row_sum[r] > 0.0f ? state_weight(split_lse, lse) / row_sum[r] : 0.0f;
       uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
 #pragma unroll
       for (int i = 0; i < Cfg::kOutTiles; ++i) {
         *reinterpret_cast<uint32_t*>(out + 8 * i) =
-            pack_bf16x2(out_acc[i][2 * r] * factor, out_acc[i][2 * r + 1] * factor);
+            pack_bf16x2(out_acc[i][2 * r] * finish.factor, out_acc[i][2 * r + 1] * finish.factor);
       }
-      if (d_split == 0 && lane % 4 == 0) a.lse[token * num_heads + head] = lse;
+      if (d_split == 0 && lane % 4 == 0) a.lse[token * num_heads + head] = finish.lse;
     } else {
       const int64_t row = SplitWorkspace::row(split, token, head, a.num_tokens, num_heads);
-      const float factor = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
       float* out = p.workspace.partial_out + row * Cfg::kDv + column_first;
 #pragma unroll
       for (int i = 0; i < Cfg::kOutTiles; ++i) {
-        *reinterpret_cast<float2*>(out + 8 * i) = make_float2(out_acc[i][2 * r] * factor, out_acc[i][2 * r + 1] * factor);
+        *reinterpret_cast<float2*>(out + 8 * i) =
+            make_float2(out_acc[i][2 * r] * finish.factor, out_acc[i][2 * r + 1] * finish.factor);
       }
-      if (d_split == 0 && lane % 4 == 0) p.workspace.partial_lse[row] = split_lse;
+      if (d_split == 0 && lane % 4 == 0) p.workspace.partial_lse[row] = finish.lse;
     }
   }
 }

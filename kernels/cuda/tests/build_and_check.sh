@@ -2,7 +2,8 @@
 # Builds the CUDA extension (CMake, not pip) and the standalone kernel check on a GPU machine, then runs
 # the FFI check, the kernel check (correctness + timing) and compute-sanitizer on small cases.
 # Usage, from the repository root: kernels/cuda/tests/build_and_check.sh [--quick]
-# Logs go to $OUT (default /tmp/jsmla_check); ARCHS / NVCC_ARCH pick the targets (default sm_90a).
+# Logs go to $OUT (default /tmp/jsmla_check); ARCHS / NVCC_ARCH pick the targets (default sm_90a);
+# CHECK_TIMEOUT bounds the kernel check (seconds), SKIP_SANITIZE=1 skips compute-sanitizer.
 set -uo pipefail
 OUT=${OUT:-/tmp/jsmla_check}
 BUILD=${BUILD:-/tmp/jsmla_build}
@@ -22,15 +23,16 @@ if ! nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. $NVCC_ARCH kernels/cuda/te
   exit 1
 fi
 echo "build: $(( $(date +%s) - start )) s"
-for f in "$BUILD"/CMakeFiles/jsmla_cuda.dir/kernels/cuda/portable/instances/dsv3_2_h64.cu.o \
+for f in "$BUILD"/CMakeFiles/jsmla_cuda.dir/kernels/cuda/hopper/instances/dsv3_2.cu.o \
+         "$BUILD"/CMakeFiles/jsmla_cuda.dir/kernels/cuda/portable/instances/dsv3_2_h64.cu.o \
          "$BUILD"/CMakeFiles/jsmla_cuda.dir/kernels/cuda/portable/instances/bf16_576_h64.cu.o; do
   echo "== $(basename "$f")"
-  cuobjdump --dump-sass "$f" | grep -oE "HMMA[.A-Z0-9]*|LDSM[.A-Z0-9]*|LDGSTS[.A-Z0-9]*|LDL|STL|MUFU.EX2|F2FP[.A-Z0-9]*|BAR[.A-Z]*" | sort | uniq -c
+  cuobjdump --dump-sass "$f" | grep -oE "HGMMA[.A-Z0-9_]*|WARPGROUP[.A-Z]*|HMMA[.A-Z0-9]*|LDSM[.A-Z0-9]*|LDGSTS[.A-Z0-9]*|LDL|STL|MUFU.EX2|F2FP[.A-Z0-9]*|BAR[.A-Z]*" | sort | uniq -c
 done >"$OUT/sass_summary.txt" 2>&1
 python3 kernels/cuda/tests/ffi_check.py "$BUILD" 2>&1 | grep -v "^WARNING" | tee "$OUT/ffi.log"
-"$BUILD/portable_check" "$@" 2>&1 | tee "$OUT/check.log"
+timeout "${CHECK_TIMEOUT:-300}" "$BUILD/portable_check" "$@" 2>&1 | tee "$OUT/check.log"
 status=${PIPESTATUS[0]}
-if command -v compute-sanitizer >/dev/null; then
+if [ -z "${SKIP_SANITIZE:-}" ] && command -v compute-sanitizer >/dev/null; then
   timeout 60 compute-sanitizer --tool memcheck --print-limit 5 "$BUILD/portable_check" --sanitize >"$OUT/memcheck.log" 2>&1
   echo "memcheck: exit $? :: $(grep -E "ERROR SUMMARY|CHECKS" "$OUT/memcheck.log" | tr '\n' ' ')"
   timeout 75 compute-sanitizer --tool racecheck --print-limit 5 "$BUILD/portable_check" --sanitize >"$OUT/racecheck.log" 2>&1

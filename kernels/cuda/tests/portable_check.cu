@@ -26,6 +26,7 @@
 #include "kernels/common/numeric.h"
 #include "kernels/cpu/sparse_mla_cpu.h"
 #include "kernels/cuda/combine.h"
+#include "kernels/cuda/hopper/registry.h"
 #include "kernels/cuda/portable/registry.h"
 
 namespace {
@@ -275,15 +276,25 @@ struct Plan {
   int heads_per_block;
   int num_splits = 1;
   int split_size = 0;
+  bool hopper = false;  // run the Hopper family's kernel instead of the portable one
   std::string text() const {
-    return (variant == 1 ? "decode hpb=" : "prefill hpb=") + std::to_string(heads_per_block) +
+    return std::string(hopper ? "H " : "") + (variant == 1 ? "decode hpb=" : "prefill hpb=") +
+           std::to_string(heads_per_block) +
            (variant == 1 ? " splits=" + std::to_string(num_splits) + "x" + std::to_string(split_size) : "");
   }
 };
 
+bool g_hopper_device = false;  // sm_90 GPU and a build with the Hopper family's sm_90a code
+
+Plan on_hopper(Plan plan) {
+  plan.hopper = true;
+  return plan;
+}
+
 // Mirrors ffi/cuda_handlers.cu (after its checks).
 void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
-  const portable::KernelInfo* kernel = portable::find_kernel(d.pr.format, plan.heads_per_block);
+  const cuda::KernelInfo* kernel = plan.hopper ? cuda::hopper::find_kernel(d.pr.format, plan.heads_per_block)
+                                              : portable::find_kernel(d.pr.format, plan.heads_per_block);
   if (kernel == nullptr) {
     std::fprintf(stderr, "no kernel for %s hpb=%d\n", d.pr.name.c_str(), plan.heads_per_block);
     std::exit(2);
@@ -486,6 +497,7 @@ bool g_failed = false;
 
 // Runs, checks and (when reps > 0) times one plan of one problem.
 void run_case(DeviceProblem& d, const Plan& plan, const std::vector<int64_t>& tokens, int reps) {
+  if (plan.hopper && !g_hopper_device) return;
   Row row;
   row.name = d.pr.name;
   row.plan = plan.text();
@@ -561,11 +573,30 @@ void release(DeviceProblem& d) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   const bool sanitize = mode == "--sanitize";
+  // --profile: only the headline shapes, once each (for ncu: T=128 H=128 decode with one split, then
+  // prefill, on the Hopper family when available, else the portable one).
+  if (mode == "--profile") {
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
+    const Fp8Table fp8;
+    const FormatTraits& f = format_traits(FormatId::kDsv32);
+    HostCache cache = build_cache(f, 4096, 64, 656, 64 * 656, 1, fp8);
+    Problem pr{"dsv3_2 T=128 H=128 k=2048", FormatId::kDsv32, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 14);
+    const Plan decode = decode_plan(64, 2048, 1);
+    const Plan prefill = Plan{2, 64};
+    run_case(d, g_hopper_device ? on_hopper(decode) : decode, {0}, 0);
+    run_case(d, g_hopper_device ? on_hopper(prefill) : prefill, {0}, 0);
+    return g_failed ? 1 : 0;
+  }
   const bool quick = mode == "--quick" || sanitize;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s (sm_%d%d, %d SMs, L2 %d MB)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
               prop.l2CacheSize >> 20);
+  g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
+  std::printf("hopper family: %s\n", g_hopper_device ? "yes" : "no");
   std::printf("kernels:");
   for (auto* k = portable::kernels_begin(); k != portable::kernels_end(); ++k) {
     std::printf(" [fmt%d h%d %dthr %dB]", static_cast<int>(k->format), k->heads_per_block, k->threads, k->shared_bytes);
@@ -584,6 +615,9 @@ int main(int argc, char** argv) {
       run_case(d, decode_plan(64, 2048, 4), all_tokens(8), 0);
       run_case(d, decode_plan(64, 2048, 1), all_tokens(8), 0);
       run_case(d, Plan{2, 64}, all_tokens(8), 0);
+      run_case(d, on_hopper(decode_plan(64, 2048, 4)), all_tokens(8), 0);
+      run_case(d, on_hopper(decode_plan(64, 2048, 1)), all_tokens(8), 0);
+      run_case(d, on_hopper(Plan{2, 64}), all_tokens(8), 0);
       run_case(d, decode_plan(16, 2048, 3), all_tokens(8), 0);
       run_case(d, Plan{2, 16}, all_tokens(8), 0);
       release(d);
@@ -595,6 +629,8 @@ int main(int argc, char** argv) {
       run_case(d, Plan{2, 16}, all_tokens(5), 0);
       run_case(d, Plan{2, 64}, all_tokens(5), 0);
       run_case(d, decode_plan(64, 100, 4), all_tokens(5), 0);
+      run_case(d, on_hopper(Plan{2, 64}), all_tokens(5), 0);
+      run_case(d, on_hopper(decode_plan(64, 100, 4)), all_tokens(5), 0);
       release(d);
     }
     {
@@ -611,16 +647,22 @@ int main(int argc, char** argv) {
       run_case(d, decode_plan(64, 2048, 1), sample, reps);
       run_case(d, decode_plan(64, 2048, 2), sample, reps);
       run_case(d, Plan{2, 64}, sample, reps);
+      run_case(d, on_hopper(decode_plan(64, 2048, 1)), sample, reps);
+      run_case(d, on_hopper(decode_plan(64, 2048, 2)), sample, reps);
+      run_case(d, on_hopper(Plan{2, 64}), sample, reps);
       run_case(d, Plan{2, 16}, sample, reps);
       release(d);
       Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
       DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
       for (int splits : {16, 32, 64}) run_case(d1, decode_plan(64, 2048, splits), {0}, reps);
+      for (int splits : {8, 16, 32, 64}) run_case(d1, on_hopper(decode_plan(64, 2048, splits)), {0}, reps);
       run_case(d1, decode_plan(16, 2048, 16), {0}, reps);
       release(d1);
       Problem pr64{"dsv3_2 T=64 H=64 k=2048", FormatId::kDsv32, 64, 64, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
       DeviceProblem d64 = make_problem(pr64, &cache, nullptr, 16);
       run_case(d64, decode_plan(64, 2048, 4), {5}, reps);
+      run_case(d64, on_hopper(decode_plan(64, 2048, 1)), {5}, reps);
+      run_case(d64, on_hopper(decode_plan(64, 2048, 4)), {5}, reps);
       release(d64);
       Problem pr16{"dsv3_2 T=128 H=16 k=2048", FormatId::kDsv32, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
       DeviceProblem d16 = make_problem(pr16, &cache, nullptr, 17);
@@ -629,6 +671,7 @@ int main(int argc, char** argv) {
       Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
       DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
       run_case(dp, Plan{2, 64}, {0, 4095}, 3);
+      run_case(dp, on_hopper(Plan{2, 64}), {0, 4095}, 3);
       run_case(dp, Plan{2, 16}, {0, 4095}, 3);
       release(dp);
     }
@@ -666,6 +709,8 @@ int main(int argc, char** argv) {
     DeviceProblem d = make_problem(pr, &cache, &extra, 41);
     run_case(d, decode_plan(64, 640, 3), all_tokens(5), 0);
     run_case(d, Plan{2, 64}, all_tokens(5), 0);
+    run_case(d, on_hopper(decode_plan(64, 640, 3)), all_tokens(5), 0);
+    run_case(d, on_hopper(Plan{2, 64}), all_tokens(5), 0);
     run_case(d, Plan{2, 16}, all_tokens(5), 0);
     release(d);
     cudaFree(cache.device);
@@ -679,6 +724,8 @@ int main(int argc, char** argv) {
     DeviceProblem d = make_problem(pr, &cache, nullptr, 51);
     run_case(d, decode_plan(64, 700, 5), all_tokens(4), 0);
     run_case(d, Plan{2, 64}, all_tokens(4), 0);
+    run_case(d, on_hopper(decode_plan(64, 700, 5)), all_tokens(4), 0);
+    run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
     release(d);
     cudaFree(cache.device);
   }
@@ -706,6 +753,8 @@ int main(int argc, char** argv) {
     DeviceProblem d = make_problem(pr, &cache, nullptr, 71);
     run_case(d, decode_plan(64, 256, 2), all_tokens(4), 0);
     run_case(d, Plan{2, 64}, all_tokens(4), 0);
+    run_case(d, on_hopper(decode_plan(64, 256, 2)), all_tokens(4), 0);
+    run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
     release(d);
     cudaFree(cache.device);
     if (!quick) {
@@ -713,6 +762,7 @@ int main(int argc, char** argv) {
       Problem prp{"bf16_576 prefill T=4096 H=128", FormatId::kBf16_576, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
       DeviceProblem dp = make_problem(prp, &big, nullptr, 72);
       run_case(dp, Plan{2, 64}, {1, 4000}, 3);
+      run_case(dp, on_hopper(Plan{2, 64}), {1, 4000}, 3);
       release(dp);
       cudaFree(big.device);
     }
@@ -724,6 +774,8 @@ int main(int argc, char** argv) {
     DeviceProblem d = make_problem(pr, &cache, nullptr, 81);
     run_case(d, decode_plan(16, 77, 2), all_tokens(3), 0);
     run_case(d, Plan{2, 16}, all_tokens(3), 0);
+    run_case(d, on_hopper(decode_plan(64, 77, 2)), all_tokens(3), 0);
+    run_case(d, on_hopper(Plan{2, 64}), all_tokens(3), 0);
     release(d);
     cudaFree(cache.device);
   }

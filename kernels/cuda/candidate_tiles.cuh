@@ -1,0 +1,100 @@
+// Which candidate positions a block visits and how its loader threads read them: shared by every
+// CUDA kernel family (the portable mma.sync kernels and the Hopper wgmma kernels).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/common/params.h"
+#include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/launch_params.h"
+
+namespace jsmla::cuda {
+
+// The candidate positions one block visits: split ∩ ([0, main_len) ∪ [main_topk, main_topk + extra_len)),
+// cut into tiles that never straddle the main/extra boundary. Positions past a row's length are never
+// visited; masked positions inside the range are zero-filled and get -inf scores.
+template <int kCandidateTile>
+struct CandidateTiles {
+  int32_t first_begin, first_end, second_begin, second_end;
+  int32_t first_count, count;
+
+  JSMLA_DEVICE CandidateTiles(const AttentionParams& a, int64_t token, int64_t split_begin, int64_t split_end) {
+    const int64_t main_topk = a.main.topk;
+    const int64_t main_length = a.main.row_length(token);
+    const int64_t extra_length = a.extra.topk > 0 ? a.extra.row_length(token) : 0;
+    first_begin = static_cast<int32_t>(split_begin);
+    first_end = static_cast<int32_t>(max(split_begin, min(split_end, main_length)));
+    second_begin = static_cast<int32_t>(max(split_begin, main_topk));
+    second_end = static_cast<int32_t>(max(static_cast<int64_t>(second_begin), min(split_end, main_topk + extra_length)));
+    first_count = (first_end - first_begin + kCandidateTile - 1) / kCandidateTile;
+    count = first_count + (second_end - second_begin + kCandidateTile - 1) / kCandidateTile;
+  }
+  JSMLA_DEVICE int32_t begin(int tile) const {
+    return tile < first_count ? first_begin + tile * kCandidateTile : second_begin + (tile - first_count) * kCandidateTile;
+  }
+  JSMLA_DEVICE int32_t end(int tile) const {
+    return tile < first_count ? min(begin(tile) + kCandidateTile, first_end) : min(begin(tile) + kCandidateTile, second_end);
+  }
+};
+
+// The candidate one loader thread gathers for a tile row: its list and raw index, read early so that
+// the index load is in flight across the MMAs of the current tile.
+struct PendingRow {
+  bool in_range = false;  // false: past the end of the tile or of the block's range
+  bool in_extra = false;  // which list the position belongs to
+  int32_t index = -1;
+};
+
+// Reads the index of row `row` of tile `tile_index` (nothing when the tile or row is out of range).
+template <int kCandidateTile>
+JSMLA_DEVICE PendingRow read_pending_row(const AttentionParams& a, const CandidateTiles<kCandidateTile>& tiles,
+                                         int64_t token, int tile_index, int row) {
+  PendingRow pending;
+  if (tile_index < tiles.count) {
+    const int32_t position = tiles.begin(tile_index) + row;
+    if (position < tiles.end(tile_index)) {
+      pending.in_range = true;
+      pending.in_extra = position >= a.main.topk;
+      const CandidateList& list = pending.in_extra ? a.extra : a.main;
+      const int32_t j = pending.in_extra ? position - a.main.topk : position;
+      pending.index = load_global_nc(list.indices + token * list.topk + j);
+    }
+  }
+  return pending;
+}
+
+// The cache a pending row gathers from, and whether its slot is valid (a masked row is never read).
+JSMLA_DEVICE const CacheView& pending_cache(const AttentionParams& a, const PendingRow& row) {
+  return row.in_extra ? a.extra.cache : a.main.cache;
+}
+JSMLA_DEVICE bool pending_valid(const AttentionParams& a, const PendingRow& row) {
+  return row.in_range && pending_cache(a, row).contains(row.index);
+}
+
+// The (token, head tile, split) of a block; blocks are split-major within a head tile, token-major overall.
+struct BlockCoordinates {
+  int split;
+  int head_tile;
+  int64_t token;
+  JSMLA_DEVICE explicit BlockCoordinates(const SplitKvParams& p) {
+    const int64_t block = blockIdx.x;
+    split = static_cast<int>(block % p.num_splits);
+    head_tile = static_cast<int>((block / p.num_splits) % p.num_head_tiles);
+    token = block / p.num_splits / p.num_head_tiles;
+  }
+};
+
+// A padding row (token >= valid_tokens): decode leaves it to the combine kernel; prefill writes the
+// empty state (zero output, lse = -inf) for the block's heads. All threads of the block call it.
+template <int kDv>
+JSMLA_DEVICE void write_padding_rows(const SplitKvParams& p, int64_t token, int head_begin, int head_tile_size,
+                                     int thread, int thread_count) {
+  if (p.workspace.partial_out != nullptr) return;
+  const AttentionParams& a = p.attn;
+  const int heads = min(head_tile_size, a.num_heads - head_begin);
+  uint4* out = reinterpret_cast<uint4*>(a.out + (token * a.num_heads + head_begin) * kDv);
+  for (int i = thread; i < heads * kDv / 8; i += thread_count) out[i] = make_uint4(0, 0, 0, 0);
+  for (int h = thread; h < heads; h += thread_count) a.lse[token * a.num_heads + head_begin + h] = -INFINITY;
+}
+
+}  // namespace jsmla::cuda

@@ -1,0 +1,283 @@
+// The Hopper sparse-MLA kernel (see config.cuh for the warpgroup roles). One template serves both
+// plan variants, exactly like the portable family: decode splits write their partial state to the
+// split workspace (merged by combine.cuh), prefill writes out/lse directly with the sink folded in.
+//
+// Producer, per candidate tile i (stage and buffer b = i % 2):
+//   wait for its own cp.async of tile i; wait empty[b] (the consumers are done with tile i - 2);
+//   convert staging b into tile buffer b; fence.proxy.async; arrive full[b];
+//   issue the gather of tile i + 2 into staging b; read the indices of tile i + 3.
+// Consumers, per tile: wait full[b]; S = Q·Kᵀ (kDqk/16 wgmmas); softmax; O += P·V (2 wgmmas);
+// arrive empty[b] when the producer will refill it. The conversion of tile i + 1 and the gathers of
+// tiles i + 2 and i + 3 overlap the MMAs of tile i.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/candidate_tiles.cuh"
+#include "kernels/cuda/hopper/config.cuh"
+#include "kernels/cuda/hopper/launch.h"
+#include "kernels/cuda/hopper/wgmma.cuh"
+#include "kernels/cuda/launch_params.h"
+#include "kernels/cuda/launch_utils.h"
+#include "kernels/cuda/softmax_merge.cuh"
+
+namespace jsmla::cuda::hopper {
+
+// Byte offset of BF16 element `dim` of row `row` in a swizzled operand of `rows` rows (dim % 8 == 0):
+// 64-column blocks of rows × 128 bytes; the 16-byte chunk c of row r sits at chunk c ^ (r % 8).
+JSMLA_DEVICE int swizzled_offset(int row, int dim, int rows) {
+  return (dim / 64) * rows * 128 + row * 128 + ((((dim % 64) / 8) ^ (row % 8)) * 16);
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(const __grid_constant__ SplitKvParams p) {
+#if JSMLA_HOPPER_DEVICE
+  using Loader = typename Cfg::Loader;
+  constexpr int kN = Cfg::kCandidateTile;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // Offset (not integer-cast) arithmetic keeps the pointer in the shared window, so the compiler emits
+  // shared-memory instructions rather than generic ones.
+  uint8_t* const smem = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+  uint8_t* const q_smem = smem + Cfg::kQOffset;
+  float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);  // [2][kN]
+  auto tile_buffer = [&](int b) { return smem + Cfg::kTileOffset + b * Cfg::kTileBytes; };
+
+  const AttentionParams& a = p.attn;
+  const BlockCoordinates coordinates(p);
+  const int64_t token = coordinates.token;
+  const int head_begin = coordinates.head_tile * Cfg::kHeadTile;
+  const int num_heads = a.num_heads;
+
+  if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
+    write_padding_rows<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
+    return;
+  }
+
+  const int64_t total_positions = static_cast<int64_t>(a.main.topk) + a.extra.topk;
+  const int64_t split_begin = static_cast<int64_t>(coordinates.split) * p.split_size;
+  const int64_t split_end = min(split_begin + p.split_size, total_positions);
+  const CandidateTiles<kN> tiles(a, token, min(split_begin, split_end), split_end);
+
+  if (threadIdx.x < Cfg::kProducerThreads) {
+    // ------------------------------------------------------------------ producer warpgroup
+    decrease_registers<Cfg::kProducerRegisters>();
+    const int load_row = threadIdx.x / Loader::kThreadsPerRow;
+    const int load_sub = threadIdx.x % Loader::kThreadsPerRow;
+    auto staged_row = [&](int b) { return smem + Cfg::kStageOffset + b * Cfg::kStageBytes + load_row * Loader::kStagedRowBytes; };
+    auto scale_slot = [&](int b) {
+      return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes + threadIdx.x * kScaleSlotBytes;
+    };
+    auto issue_row = [&](const PendingRow& row, int b) {
+      const bool valid = pending_valid(a, row);
+      if (valid) Loader::issue(pending_cache(a, row), row.index, staged_row(b), scale_slot(b), load_sub);
+      cp_async_commit();
+      return valid;
+    };
+    // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
+    uint32_t staged_valid = issue_row(read_pending_row(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
+    staged_valid |= issue_row(read_pending_row(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
+    PendingRow pending = read_pending_row(a, tiles, token, 2, load_row);
+    for (int i = 0; i < tiles.count; ++i) {
+      const int b = i & 1;
+      cp_async_wait_pending<1>();
+      if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+      uint8_t* const tile = tile_buffer(b);
+      const bool valid = (staged_valid >> b) & 1u;
+      Loader::convert_into(valid, staged_row(b), scale_slot(b), load_sub, [&](int dim, uint4 values) {
+        *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
+      });
+      if (load_sub == 0) score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
+      fence_proxy_async_shared();
+      named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
+      staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
+      pending = read_pending_row(a, tiles, token, i + 3, load_row);
+    }
+    cp_async_wait_pending<0>();
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumer warpgroups
+  increase_registers<Cfg::kConsumerRegisters>();
+  const int consumer_thread = threadIdx.x - Cfg::kProducerThreads;  // 0 .. 255
+  const int group = consumer_thread / 128;                          // which half of d_v
+  const int warp = (consumer_thread % 128) / 32;                    // 16 head rows each
+  const int lane = threadIdx.x % 32;
+  const bool write_final = p.workspace.partial_out == nullptr;
+
+  // Q of the 64-head tile → shared memory (rows past H are zero), 8 BF16 values per store.
+  {
+    constexpr int kChunksPerRow = Cfg::kDqk / 8;
+    for (int c = consumer_thread; c < Cfg::kHeadTile * kChunksPerRow; c += 128 * Cfg::kConsumerGroups) {
+      const int row = c / kChunksPerRow;
+      const int dim = (c % kChunksPerRow) * 8;
+      const int head = head_begin + row;
+      uint4 values = make_uint4(0, 0, 0, 0);
+      if (head < num_heads) {
+        const uint16_t* q = a.q + (token * num_heads + head) * Cfg::kDqk + dim;
+        values = make_uint4(load_global_u32(q), load_global_u32(q + 2), load_global_u32(q + 4), load_global_u32(q + 6));
+      }
+      *reinterpret_cast<uint4*>(q_smem + swizzled_offset(row, dim, Cfg::kHeadTile)) = values;
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync(Cfg::kQBarrier, 128 * Cfg::kConsumerGroups);
+  }
+
+  const float score_scale = a.sm_scale * kLog2e;  // scores in the log2 domain
+  float row_max[2] = {-INFINITY, -INFINITY};      // rows lane/4 and lane/4 + 8 of the warp's 16
+  float row_sum[2] = {0.0f, 0.0f};                // this thread's columns only; quad-reduced at the end
+  float out_acc[Cfg::kOutRegisters];
+#pragma unroll
+  for (int i = 0; i < Cfg::kOutRegisters; ++i) out_acc[i] = 0.0f;
+
+  const uint64_t q_descriptor = smem_descriptor(q_smem, 16, 1024);
+  for (int i = 0; i < tiles.count; ++i) {
+    const int b = i & 1;
+    named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kThreads);
+    const uint8_t* const tile = tile_buffer(b);
+
+    // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile. With kSplitScores
+    // each consumer covers its half of the k-steps and the partials are summed through shared memory.
+    float score[16];
+    const uint64_t k_descriptor = smem_descriptor(tile, 16, 1024);
+    const int ks_first = Cfg::kSplitScores ? group * Cfg::kKStepsPerGroup : 0;
+    wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < Cfg::kKStepsPerGroup; ++step) {
+      const int ks = ks_first + step;
+      const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
+      const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
+      wgmma_m64n32k16_ss(score, q_descriptor + (q_offset >> 4), k_descriptor + (k_offset >> 4), step > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(score);
+    if constexpr (Cfg::kSplitScores) {
+      // [buffer][consumer][value][thread]: consecutive threads, consecutive words.
+      float* const exchange = reinterpret_cast<float*>(smem + Cfg::kExchangeOffset) + b * 2 * 16 * 128;
+      const int thread_in_group = consumer_thread % 128;
+#pragma unroll
+      for (int v = 0; v < 16; ++v) exchange[(group * 16 + v) * 128 + thread_in_group] = score[v];
+      named_barrier_sync(Cfg::kExchangeBarrier, 128 * Cfg::kConsumerGroups);
+      // partial(consumer 0) + partial(consumer 1): addition commutes exactly, so both hold the same S.
+#pragma unroll
+      for (int v = 0; v < 16; ++v) score[v] += exchange[((1 - group) * 16 + v) * 128 + thread_in_group];
+    }
+
+    // Online softmax in the log2 domain; masked candidates get -inf through score_bias. score[4j + r]
+    // is row lane/4 (+8 for r >= 2), column 8j + 2(lane%4) + (r & 1).
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      const float2 bias = *reinterpret_cast<const float2*>(score_bias + b * kN + 8 * j + 2 * (lane % 4));
+      score[4 * j + 0] = score[4 * j + 0] * score_scale + bias.x;
+      score[4 * j + 1] = score[4 * j + 1] * score_scale + bias.y;
+      score[4 * j + 2] = score[4 * j + 2] * score_scale + bias.x;
+      score[4 * j + 3] = score[4 * j + 3] * score_scale + bias.y;
+      tile_max[0] = fmaxf(tile_max[0], fmaxf(score[4 * j + 0], score[4 * j + 1]));
+      tile_max[1] = fmaxf(tile_max[1], fmaxf(score[4 * j + 2], score[4 * j + 3]));
+    }
+    float rescale[2];
+    float subtract[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+      const float new_max = fmaxf(row_max[r], tile_max[r]);
+      subtract[r] = new_max == -INFINITY ? 0.0f : new_max;
+      rescale[r] = fast_exp2(row_max[r] - subtract[r]);
+      row_max[r] = new_max;
+      row_sum[r] *= rescale[r];
+    }
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+      score[4 * j + 0] = fast_exp2(score[4 * j + 0] - subtract[0]);
+      score[4 * j + 1] = fast_exp2(score[4 * j + 1] - subtract[0]);
+      score[4 * j + 2] = fast_exp2(score[4 * j + 2] - subtract[1]);
+      score[4 * j + 3] = fast_exp2(score[4 * j + 3] - subtract[1]);
+      row_sum[0] += score[4 * j + 0] + score[4 * j + 1];
+      row_sum[1] += score[4 * j + 2] + score[4 * j + 3];
+    }
+    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
+#pragma unroll
+      for (int c = 0; c < Cfg::kOutRegisters; c += 4) {
+        out_acc[c + 0] *= rescale[0];
+        out_acc[c + 1] *= rescale[0];
+        out_acc[c + 2] *= rescale[1];
+        out_acc[c + 3] *= rescale[1];
+      }
+    }
+
+    // O[:, group half] += P·V: P (BF16) from the score registers, V = tile columns of this half, N-major.
+    const uint64_t v_descriptor = smem_descriptor(tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes,
+                                                  Cfg::kTileBlockBytes, 1024);
+    uint32_t p_fragment[kN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      p_fragment[kk][0] = pack_bf16x2(score[8 * kk + 0], score[8 * kk + 1]);
+      p_fragment[kk][1] = pack_bf16x2(score[8 * kk + 2], score[8 * kk + 3]);
+      p_fragment[kk][2] = pack_bf16x2(score[8 * kk + 4], score[8 * kk + 5]);
+      p_fragment[kk][3] = pack_bf16x2(score[8 * kk + 6], score[8 * kk + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      wgmma_m64n256k16_rs(out_acc, p_fragment[kk], v_descriptor + ((kk * 16 * 128) >> 4));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_registers(out_acc);
+    if (i + 2 < tiles.count) named_barrier_arrive(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+  }
+
+  // ---- epilogue: rows of this thread, columns of this consumer's half ----
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+  }
+  const int column_first = group * Cfg::kDvPerGroup + 2 * (lane % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int head = head_begin + 16 * warp + lane / 4 + 8 * r;
+    if (head >= num_heads) continue;
+    const RowFinish finish = finish_row(row_max[r], row_sum[r], write_final, a.attn_sink, head);
+    if (write_final) {
+      uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
+#pragma unroll
+      for (int j = 0; j < Cfg::kDvPerGroup / 8; ++j) {
+        *reinterpret_cast<uint32_t*>(out + 8 * j) =
+            pack_bf16x2(out_acc[4 * j + 2 * r] * finish.factor, out_acc[4 * j + 2 * r + 1] * finish.factor);
+      }
+      if (group == 0 && lane % 4 == 0) a.lse[token * num_heads + head] = finish.lse;
+    } else {
+      const int64_t row = SplitWorkspace::row(coordinates.split, token, head, a.num_tokens, num_heads);
+      float* out = p.workspace.partial_out + row * Cfg::kDv + column_first;
+#pragma unroll
+      for (int j = 0; j < Cfg::kDvPerGroup / 8; ++j) {
+        *reinterpret_cast<float2*>(out + 8 * j) =
+            make_float2(out_acc[4 * j + 2 * r] * finish.factor, out_acc[4 * j + 2 * r + 1] * finish.factor);
+      }
+      if (group == 0 && lane % 4 == 0) p.workspace.partial_lse[row] = finish.lse;
+    }
+  }
+#else
+  __trap();  // no sm_90a code in this build: the host never launches it (hopper::compiled())
+#endif  // JSMLA_HOPPER_DEVICE
+}
+
+// Launches one instantiation on `stream` (the caller has checked the plan, the buffers and that the
+// current device is an sm_90 GPU and the library carries sm_90a code).
+template <class Cfg>
+cudaError_t launch_sparse_mla_hopper(const SplitKvParams& p, cudaStream_t stream) {
+  auto* kernel = &sparse_mla_hopper_kernel<Cfg>;
+  static DeviceOnce shared_memory_raised;
+  const cudaError_t error = shared_memory_raised.run([&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSharedBytes);
+  });
+  if (error != cudaSuccess) return error;
+  const int64_t blocks = p.attn.num_tokens * p.num_head_tiles * p.num_splits;
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSharedBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace jsmla::cuda::hopper
