@@ -110,18 +110,57 @@ struct TileLoader {
             store(16 * unit + 8, make_uint4(0, 0, 0, 0));
             continue;
           }
-          const uint4 fp8 = *reinterpret_cast<const uint4*>(staged_row + 16 * unit);
-          float scale = group_scale_of(scale_slot, (16 * unit) / kF.group_size);
-          if constexpr (kExactScales) scale = power_of_two_part(scale);
-          store(16 * unit, make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
-                                      fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale)));
-          store(16 * unit + 8, make_uint4(fp8x2_to_bf16x2(fp8.z, scale), fp8x2_to_bf16x2(fp8.z >> 16, scale),
-                                          fp8x2_to_bf16x2(fp8.w, scale), fp8x2_to_bf16x2(fp8.w >> 16, scale)));
+          convert_fp8_unit(*reinterpret_cast<const uint4*>(staged_row + 16 * unit), scale_slot, unit, store);
           continue;
         }
       }
       store(kF.fp8_dim + 8 * (unit - kFp8Units),
             valid ? *reinterpret_cast<const uint4*>(staged_row + 16 * unit) : make_uint4(0, 0, 0, 0));
+    }
+  }
+
+  // convert_into for a thread that owns a whole row's worth of units and spare registers: the valid
+  // test is made once, and the staged units are loaded kBatch at a time before they are converted
+  // (no branch between them), so their shared-memory loads are in flight together.
+  template <int kBatch, class Store>
+  static JSMLA_DEVICE void convert_batched(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot, int sub,
+                                           Store&& store) {
+    static_assert(kUnits % kThreadsPerRow == 0 && kFp8Units % kThreadsPerRow == 0,
+                  "every thread converts the same units of each kind (decided at compile time)");
+    constexpr int kFp8PerThread = kFp8Units / kThreadsPerRow;
+    if (!valid) {
+#pragma unroll
+      for (int i = 0; i < kUnitsPerThread; ++i) {
+        const int unit = sub + i * kThreadsPerRow;
+        if (i < kFp8PerThread) {
+          store(16 * unit, make_uint4(0, 0, 0, 0));
+          store(16 * unit + 8, make_uint4(0, 0, 0, 0));
+        } else {
+          store(kF.fp8_dim + 8 * (unit - kFp8Units), make_uint4(0, 0, 0, 0));
+        }
+      }
+      return;
+    }
+#pragma unroll
+    for (int first = 0; first < kUnitsPerThread; first += kBatch) {
+      uint4 staged[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (first + j < kUnitsPerThread) {
+          staged[j] = *reinterpret_cast<const uint4*>(staged_row + 16 * (sub + (first + j) * kThreadsPerRow));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = first + j;
+        if (i >= kUnitsPerThread) continue;
+        const int unit = sub + i * kThreadsPerRow;
+        if (i < kFp8PerThread) {
+          convert_fp8_unit(staged[j], scale_slot, unit, store);
+        } else {
+          store(kF.fp8_dim + 8 * (unit - kFp8Units), staged[j]);
+        }
+      }
     }
   }
 
@@ -153,6 +192,17 @@ struct TileLoader {
   }
 
  private:
+  // Stores the 16 dequantized values of FP8 unit `unit` (K lanes [16 unit, 16 unit + 16)).
+  template <class Store>
+  static JSMLA_DEVICE void convert_fp8_unit(uint4 fp8, const uint8_t* scale_slot, int unit, Store& store) {
+    float scale = group_scale_of(scale_slot, (16 * unit) / kF.group_size);
+    if constexpr (kExactScales) scale = power_of_two_part(scale);
+    store(16 * unit, make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
+                                fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale)));
+    store(16 * unit + 8, make_uint4(fp8x2_to_bf16x2(fp8.z, scale), fp8x2_to_bf16x2(fp8.z >> 16, scale),
+                                    fp8x2_to_bf16x2(fp8.w, scale), fp8x2_to_bf16x2(fp8.w >> 16, scale)));
+  }
+
   static JSMLA_DEVICE float group_scale_of(const uint8_t* scale_slot, int group) {
     if constexpr (kF.scale_kind == ScaleKind::kFp32) {
       return reinterpret_cast<const float*>(scale_slot)[group];

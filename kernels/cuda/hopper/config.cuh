@@ -48,6 +48,8 @@ struct HopperConfig {
   static constexpr int kAtomBytes = 128;                     // one swizzle row: 64 BF16 values
 
   using Loader = TileLoader<kFormat, kCandidateTile, kProducerThreads>;
+  // Staged units a producer thread loads before converting them (bounded by its registers).
+  static constexpr int kConvertBatch = 5;
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;

@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
       uint8_t* const tile = tile_buffer(b);
       const bool valid = (staged_valid >> b) & 1u;
-      Loader::convert_into(valid, staged_row(b), scale_slot(b), load_sub, [&](int dim, uint4 values) {
+      Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b), load_sub, [&](int dim, uint4 values) {
         *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
       });
       if (load_sub == 0) score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
