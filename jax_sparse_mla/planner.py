@@ -34,7 +34,7 @@ SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Analytic time model of the portable CUDA kernels, in microseconds.
+    """Analytic time model of the CUDA kernels, in microseconds.
 
     A block over ``n`` candidates with a head tile of ``h`` heads costs, alone on an SM,
     ``per_block = block_us + n * (dequant_ns + h * mma_ns_per_head) / 1000``. A launch of at most one
@@ -44,18 +44,18 @@ class CostModel:
     ``co_residency_gain`` (``resident`` blocks) with ``c``, and the last blocks add a tail of
     ``tail`` block times: ``launch_us + blocks * per_block / (sm_count * throughput) + tail * per_block``.
     Many small blocks thus shorten the tail at the price of ``block_us`` each. The decode combine
-    streams the partial results at ``combine_gbps``. The defaults were fitted on an H200 (the
-    planner sweep of ``benchmarks/planner_sweep.py``); :func:`jax_sparse_mla.calibration.calibrate`
-    fits them per device.
+    streams the partial results at ``combine_gbps``. The defaults were fitted on an H200 by
+    :func:`jax_sparse_mla.calibration.calibrate` (which runs the Hopper kernels for 64-head tiles and
+    the portable ones for 16-head tiles there); calibrating fits them per device.
     """
 
-    launch_us: float = 13.4  # per launch, as seen by a step of a jitted program
-    block_us: float = 0.72
-    dequant_ns: float = 89.0  # gather + FP8 -> BF16 conversion of one candidate row by one block
-    mma_ns_per_head: float = 0.52  # S = Q·Kᵀ and O += P·V of one candidate for one head
-    co_residency_gain: float = 1.79  # throughput of `resident` co-resident blocks over one
-    combine_gbps: float = 1570.0
-    tail: float = 0.36  # the last wave's imbalance, in block times
+    launch_us: float = 21.4  # per launch, as seen by a step of a jitted program
+    block_us: float = 1.62
+    dequant_ns: float = 85.3  # gather + FP8 -> BF16 conversion of one candidate row by one block
+    mma_ns_per_head: float = 0.0  # S = Q·Kᵀ and O += P·V of one candidate for one head (hidden on H200)
+    co_residency_gain: float = 1.52  # throughput of `resident` co-resident blocks over one
+    combine_gbps: float = 1655.0
+    tail: float = 0.0  # the last wave's imbalance, in block times
 
     def block_time_us(self, candidates_per_block: int, head_tile: int) -> float:
         """One block alone on an SM."""
