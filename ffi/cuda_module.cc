@@ -11,10 +11,10 @@ namespace nb = nanobind;
 
 namespace {
 
-nb::dict kernel_configs() {
-  namespace portable = jsmla::cuda::portable;
+// One dict per kernel of a family's table.
+nb::list kernel_list(const jsmla::cuda::KernelInfo* begin, const jsmla::cuda::KernelInfo* end) {
   nb::list kernels;
-  for (const portable::KernelInfo* k = portable::kernels_begin(); k != portable::kernels_end(); ++k) {
+  for (const jsmla::cuda::KernelInfo* k = begin; k != end; ++k) {
     nb::dict entry;
     entry["kv_format"] = static_cast<int>(k->format);
     entry["heads_per_block"] = k->heads_per_block;
@@ -23,6 +23,12 @@ nb::dict kernel_configs() {
     entry["shared_bytes"] = k->shared_bytes;
     kernels.append(entry);
   }
+  return kernels;
+}
+
+nb::dict kernel_configs() {
+  namespace portable = jsmla::cuda::portable;
+  namespace hopper = jsmla::cuda::hopper;
   nb::dict variants;
   variants["decode"] = portable::kVariantDecode;
   variants["prefill"] = portable::kVariantPrefill;
@@ -31,22 +37,11 @@ nb::dict kernel_configs() {
   d["variants"] = variants;
   d["split_granule"] = portable::split_granule();
   d["min_compute_capability"] = portable::kMinComputeCapability;
-  d["kernels"] = kernels;
-  namespace hopper = jsmla::cuda::hopper;
-  nb::list hopper_kernels;
-  for (const jsmla::cuda::KernelInfo* k = hopper::kernels_begin(); k != hopper::kernels_end(); ++k) {
-    nb::dict entry;
-    entry["kv_format"] = static_cast<int>(k->format);
-    entry["heads_per_block"] = k->heads_per_block;
-    entry["threads"] = k->threads;
-    entry["candidate_tile"] = k->candidate_tile;
-    entry["shared_bytes"] = k->shared_bytes;
-    hopper_kernels.append(entry);
-  }
+  d["kernels"] = kernel_list(portable::kernels_begin(), portable::kernels_end());
   nb::dict hopper_family;
   hopper_family["compiled"] = hopper::compiled();
   hopper_family["compute_capability"] = hopper::kComputeCapability;
-  hopper_family["kernels"] = hopper_kernels;
+  hopper_family["kernels"] = kernel_list(hopper::kernels_begin(), hopper::kernels_end());
   d["hopper"] = hopper_family;
   return d;
 }

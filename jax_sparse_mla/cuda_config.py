@@ -27,6 +27,7 @@ Contract for a CUDA plan (checked again by ``ffi/cuda_handlers.cu``):
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 #: Values of the ``variant`` FFI attribute served by the CUDA target.
@@ -78,10 +79,15 @@ HOPPER_COMPUTE_CAPABILITY = 90
 
 
 def kernel_family(kv_format: str, heads_per_block: int, compute_capability: int, max_shared_bytes: int) -> str:
-    """Which family runs a plan on a device: ``"hopper"`` or ``"portable"`` (mirrors the handler)."""
+    """Which family runs a plan on a device: ``"hopper"`` or ``"portable"``.
+
+    Mirrors the CUDA handler for a build that includes sm_90a (the default architectures do): the Hopper
+    kernel when one exists for the format and head tile, the device is sm_90 with enough shared memory,
+    and ``JSMLA_CUDA_FAMILY`` is not ``portable``.
+    """
     config = HOPPER_KERNELS.get((kv_format, heads_per_block))
     if (config is not None and compute_capability == HOPPER_COMPUTE_CAPABILITY
-            and config.shared_bytes <= max_shared_bytes):
+            and config.shared_bytes <= max_shared_bytes and os.environ.get("JSMLA_CUDA_FAMILY") != "portable"):
         return "hopper"
     return "portable"
 

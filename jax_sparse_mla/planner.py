@@ -136,7 +136,7 @@ class Plan:
     """An immutable launch plan. ``attrs()`` gives the FFI attributes it bakes into the call."""
 
     platform: str
-    family: str  # "cpu_reference" or "portable" (mma.sync)
+    family: str  # "cpu_reference", "portable" (mma.sync) or "hopper" (wgmma, sm_90): cuda_config.kernel_family
     variant: str  # "reference", "decode" or "prefill"
     kv_format: str
     num_tokens: int
@@ -235,7 +235,7 @@ def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: Devi
 def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: DeviceInfo, batch_invariant,
                impl, model: CostModel, calibrated: bool) -> Plan:
     candidates = topk + extra_topk
-    common = dict(platform="cuda", family="portable", kv_format=fmt.key, num_tokens=num_tokens,
+    common = dict(platform="cuda", kv_format=fmt.key, num_tokens=num_tokens,
                   num_heads=num_heads, topk=topk, extra_topk=extra_topk, batch_invariant=batch_invariant,
                   device_name=device.name, min_sm_count=0)
     source = "calibrated" if calibrated else "default"
@@ -248,11 +248,14 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
         split_size = _round_up(BATCH_INVARIANT_SPLIT_SIZE, cuda_config.SPLIT_GRANULE)
         num_splits = _ceil_div(candidates, split_size)
         return Plan(variant="decode", heads_per_block=heads_per_block, num_splits=num_splits, split_size=split_size,
+                    family=_family(fmt, heads_per_block, device),
                     workspace_bytes=cuda_config.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v),
                     reason=f"batch_invariant: fixed {split_size}-candidate splits and head tile {heads_per_block}, "
                            f"independent of T", **common)
     options = _cuda_options(fmt, num_tokens, num_heads, candidates, device, model, impl)
-    us, variant, heads_per_block, num_splits, split_size = min(options, key=lambda o: (o[0], o[3], -o[2]))
+    # Ties (the MMA term is hidden on some GPUs) go to fewer splits, then to the smaller head tile (no
+    # wasted rows).
+    us, variant, heads_per_block, num_splits, split_size = min(options, key=lambda o: (o[0], o[3], o[2]))
     runner_up = sorted(o for o in options if o[1:3] != (variant, heads_per_block) or o[3] != num_splits)
     alternative = ""
     if runner_up:
@@ -264,7 +267,12 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
               f" and head tile {heads_per_block}{alternative}")
     workspace = cuda_config.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v) if variant == "decode" else 0
     return Plan(variant=variant, heads_per_block=heads_per_block, num_splits=num_splits if variant == "decode" else 1,
-                split_size=split_size, workspace_bytes=workspace, reason=reason, predicted_us=us, **common)
+                split_size=split_size, workspace_bytes=workspace, reason=reason, predicted_us=us,
+                family=_family(fmt, heads_per_block, device), **common)
+
+
+def _family(fmt: KVFormat, heads_per_block: int, device: DeviceInfo) -> str:
+    return cuda_config.kernel_family(fmt.key, heads_per_block, device.arch, device.smem_per_block)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -17,4 +17,13 @@ struct KernelInfo {
   cudaError_t (*launch)(const SplitKvParams&, cudaStream_t);
 };
 
+// The entry of a family's table [begin, end) for a format and head tile, or nullptr.
+inline const KernelInfo* find_kernel_in(const KernelInfo* begin, const KernelInfo* end, FormatId format,
+                                        int heads_per_block) {
+  for (const KernelInfo* k = begin; k != end; ++k) {
+    if (k->format == format && k->heads_per_block == heads_per_block) return k;
+  }
+  return nullptr;
+}
+
 }  // namespace jsmla::cuda

@@ -27,10 +27,7 @@ const KernelInfo* kernels_begin() { return std::begin(kKernels); }
 const KernelInfo* kernels_end() { return std::end(kKernels); }
 
 const KernelInfo* find_kernel(FormatId format, int heads_per_block) {
-  for (const KernelInfo& k : kKernels) {
-    if (k.format == format && k.heads_per_block == heads_per_block) return &k;
-  }
-  return nullptr;
+  return find_kernel_in(kernels_begin(), kernels_end(), format, heads_per_block);
 }
 
 bool compiled() {

@@ -19,6 +19,7 @@
 #include "kernels/cuda/hopper/wgmma.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/launch_utils.h"
+#include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/softmax_merge.cuh"
 
 namespace jsmla::cuda::hopper {
@@ -123,8 +124,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   }
 
   const float score_scale = a.sm_scale * kLog2e;  // scores in the log2 domain
-  float row_max[2] = {-INFINITY, -INFINITY};      // rows lane/4 and lane/4 + 8 of the warp's 16
-  float row_sum[2] = {0.0f, 0.0f};                // this thread's columns only; quad-reduced at the end
+  RunningSoftmax softmax;                         // rows lane/4 and lane/4 + 8 of the warp's 16
   float out_acc[Cfg::kOutRegisters];
 #pragma unroll
   for (int i = 0; i < Cfg::kOutRegisters; ++i) out_acc[i] = 0.0f;
@@ -137,7 +137,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 
     // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile. With kSplitScores
     // each consumer covers its half of the k-steps and the partials are summed through shared memory.
-    float score[16];
+    float score[kN / 8][4];  // the m64n32 accumulators: score[j][r] as in online_softmax.cuh
+    float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
     const uint64_t k_descriptor = smem_descriptor(tile, 16, 1024);
     const int ks_first = Cfg::kSplitScores ? group * Cfg::kKStepsPerGroup : 0;
     wgmma_fence();
@@ -146,58 +147,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       const int ks = ks_first + step;
       const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
       const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-      wgmma_m64n32k16_ss(score, q_descriptor + (q_offset >> 4), k_descriptor + (k_offset >> 4), step > 0 ? 1 : 0);
+      wgmma_m64n32k16_ss(score_registers, q_descriptor + (q_offset >> 4), k_descriptor + (k_offset >> 4), step > 0 ? 1 : 0);
     }
     wgmma_commit();
     wgmma_wait_all();
-    fence_registers(score);
+    fence_registers(score_registers);
     if constexpr (Cfg::kSplitScores) {
       // [buffer][consumer][value][thread]: consecutive threads, consecutive words.
       float* const exchange = reinterpret_cast<float*>(smem + Cfg::kExchangeOffset) + b * 2 * 16 * 128;
       const int thread_in_group = consumer_thread % 128;
 #pragma unroll
-      for (int v = 0; v < 16; ++v) exchange[(group * 16 + v) * 128 + thread_in_group] = score[v];
+      for (int v = 0; v < 16; ++v) exchange[(group * 16 + v) * 128 + thread_in_group] = score_registers[v];
       named_barrier_sync(Cfg::kExchangeBarrier, 128 * Cfg::kConsumerGroups);
       // partial(consumer 0) + partial(consumer 1): addition commutes exactly, so both hold the same S.
 #pragma unroll
-      for (int v = 0; v < 16; ++v) score[v] += exchange[((1 - group) * 16 + v) * 128 + thread_in_group];
+      for (int v = 0; v < 16; ++v) score_registers[v] += exchange[((1 - group) * 16 + v) * 128 + thread_in_group];
     }
 
-    // Online softmax in the log2 domain; masked candidates get -inf through score_bias. score[4j + r]
-    // is row lane/4 (+8 for r >= 2), column 8j + 2(lane%4) + (r & 1).
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-      const float2 bias = *reinterpret_cast<const float2*>(score_bias + b * kN + 8 * j + 2 * (lane % 4));
-      score[4 * j + 0] = score[4 * j + 0] * score_scale + bias.x;
-      score[4 * j + 1] = score[4 * j + 1] * score_scale + bias.y;
-      score[4 * j + 2] = score[4 * j + 2] * score_scale + bias.x;
-      score[4 * j + 3] = score[4 * j + 3] * score_scale + bias.y;
-      tile_max[0] = fmaxf(tile_max[0], fmaxf(score[4 * j + 0], score[4 * j + 1]));
-      tile_max[1] = fmaxf(tile_max[1], fmaxf(score[4 * j + 2], score[4 * j + 3]));
-    }
+    // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
     float rescale[2];
-    float subtract[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float new_max = fmaxf(row_max[r], tile_max[r]);
-      subtract[r] = new_max == -INFINITY ? 0.0f : new_max;
-      rescale[r] = fast_exp2(row_max[r] - subtract[r]);
-      row_max[r] = new_max;
-      row_sum[r] *= rescale[r];
-    }
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-      score[4 * j + 0] = fast_exp2(score[4 * j + 0] - subtract[0]);
-      score[4 * j + 1] = fast_exp2(score[4 * j + 1] - subtract[0]);
-      score[4 * j + 2] = fast_exp2(score[4 * j + 2] - subtract[1]);
-      score[4 * j + 3] = fast_exp2(score[4 * j + 3] - subtract[1]);
-      row_sum[0] += score[4 * j + 0] + score[4 * j + 1];
-      row_sum[1] += score[4 * j + 2] + score[4 * j + 3];
-    }
-    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
+    softmax.update(score, score_bias + b * kN, score_scale, lane, rescale);
+    if (RunningSoftmax::needs_rescale(rescale)) {
 #pragma unroll
       for (int c = 0; c < Cfg::kOutRegisters; c += 4) {
         out_acc[c + 0] *= rescale[0];
@@ -213,10 +183,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     uint32_t p_fragment[kN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
-      p_fragment[kk][0] = pack_bf16x2(score[8 * kk + 0], score[8 * kk + 1]);
-      p_fragment[kk][1] = pack_bf16x2(score[8 * kk + 2], score[8 * kk + 3]);
-      p_fragment[kk][2] = pack_bf16x2(score[8 * kk + 4], score[8 * kk + 5]);
-      p_fragment[kk][3] = pack_bf16x2(score[8 * kk + 6], score[8 * kk + 7]);
+      p_fragment[kk][0] = pack_bf16x2(score[2 * kk][0], score[2 * kk][1]);
+      p_fragment[kk][1] = pack_bf16x2(score[2 * kk][2], score[2 * kk][3]);
+      p_fragment[kk][2] = pack_bf16x2(score[2 * kk + 1][0], score[2 * kk + 1][1]);
+      p_fragment[kk][3] = pack_bf16x2(score[2 * kk + 1][2], score[2 * kk + 1][3]);
     }
     wgmma_fence();
 #pragma unroll
@@ -230,17 +200,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   }
 
   // ---- epilogue: rows of this thread, columns of this consumer's half ----
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-  }
+  softmax.finish();
   const int column_first = group * Cfg::kDvPerGroup + 2 * (lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = head_begin + 16 * warp + lane / 4 + 8 * r;
     if (head >= num_heads) continue;
-    const RowFinish finish = finish_row(row_max[r], row_sum[r], write_final, a.attn_sink, head);
+    const RowFinish finish = finish_row(softmax.row_max[r], softmax.row_sum[r], write_final, a.attn_sink, head);
     if (write_final) {
       uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
 #pragma unroll

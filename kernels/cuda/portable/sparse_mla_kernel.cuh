@@ -18,6 +18,7 @@
 #include "kernels/cuda/candidate_tiles.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/launch_utils.h"
+#include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/portable/launch.h"
 #include "kernels/cuda/portable/config.cuh"
 #include "kernels/cuda/softmax_merge.cuh"
@@ -123,8 +124,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
 
   // ---- main loop ----
   const float score_scale = a.sm_scale * kLog2e;  // scores in the log2 domain
-  float row_max[2] = {-INFINITY, -INFINITY};      // per accumulator row (lane/4, lane/4 + 8)
-  float row_sum[2] = {0.0f, 0.0f};                // this thread's columns only; quad-reduced at the end
+  RunningSoftmax softmax;                         // rows lane/4 and lane/4 + 8 of the warp's 16
   float out_acc[Cfg::kOutTiles][4];
 #pragma unroll
   for (int i = 0; i < Cfg::kOutTiles; ++i) out_acc[i][0] = out_acc[i][1] = out_acc[i][2] = out_acc[i][3] = 0.0f;
@@ -189,42 +189,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
     }
 
     // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int i = 0; i < Cfg::kScoreTiles; ++i) {
-      const float2 bias = *reinterpret_cast<const float2*>(score_bias + 8 * i + 2 * (lane % 4));
-      score[i][0] = score[i][0] * score_scale + bias.x;
-      score[i][1] = score[i][1] * score_scale + bias.y;
-      score[i][2] = score[i][2] * score_scale + bias.x;
-      score[i][3] = score[i][3] * score_scale + bias.y;
-      tile_max[0] = fmaxf(tile_max[0], fmaxf(score[i][0], score[i][1]));
-      tile_max[1] = fmaxf(tile_max[1], fmaxf(score[i][2], score[i][3]));
-    }
     float rescale[2];
-    float subtract[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-      tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float new_max = fmaxf(row_max[r], tile_max[r]);
-      // While a row has seen only masked candidates, its max stays -inf: keep everything at zero.
-      subtract[r] = new_max == -INFINITY ? 0.0f : new_max;
-      rescale[r] = fast_exp2(row_max[r] - subtract[r]);
-      row_max[r] = new_max;
-      row_sum[r] *= rescale[r];
-    }
-#pragma unroll
-    for (int i = 0; i < Cfg::kScoreTiles; ++i) {
-      score[i][0] = fast_exp2(score[i][0] - subtract[0]);
-      score[i][1] = fast_exp2(score[i][1] - subtract[0]);
-      score[i][2] = fast_exp2(score[i][2] - subtract[1]);
-      score[i][3] = fast_exp2(score[i][3] - subtract[1]);
-      row_sum[0] += score[i][0] + score[i][1];
-      row_sum[1] += score[i][2] + score[i][3];
-    }
-    // Once the running maxima settle, most tiles leave them unchanged (every factor exactly 1): skip
-    // the O rescale then; the result is bit-identical.
-    if (__any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f)) {
+    softmax.update(score, score_bias, score_scale, lane, rescale);
+    if (RunningSoftmax::needs_rescale(rescale)) {
 #pragma unroll
       for (int i = 0; i < Cfg::kOutTiles; ++i) {
         out_acc[i][0] *= rescale[0];
@@ -274,17 +241,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   }
 
   // ---- epilogue ----
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
-    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-  }
+  softmax.finish();
   const int column_first = d_split * Cfg::kDvPerWarp + 2 * (lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int head = r == 0 ? head_a : head_b;
     if (head >= num_heads) continue;
-    const RowFinish finish = finish_row(row_max[r], row_sum[r], write_final, a.attn_sink, head);
+    const RowFinish finish = finish_row(softmax.row_max[r], softmax.row_sum[r], write_final, a.attn_sink, head);
     if (write_final) {
       uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
 #pragma unroll
