@@ -75,15 +75,22 @@ def main(argv):
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     with open(os.path.join(FLAGS.out_dir, "planner_sweep.json"), "w") as f:
         json.dump({"device": device.name, "constants": constants, "rows": rows}, f, indent=1)
-    print(f"\nplanner sweep on {device.name}, {FLAGS.kv_format}, topk={FLAGS.topk}")
-    print("| T | H | best (variant/tile/splits) | best µs | planner pick | pick µs | pick/best | default pick | default µs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    lines = [f"planner sweep on {device.name}, {FLAGS.kv_format}, topk={FLAGS.topk}",
+             "| T | H | best (variant/tile/splits) | best µs | planner pick | pick µs | pick/best | default pick | "
+             "default µs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        print(f"| {r['T']} | {r['H']} | {'/'.join(map(str, r['best']))} | {r['best_us']:.1f} | "
-              f"{'/'.join(map(str, r['pick']))} | {r['pick_us']:.1f} | {r['ratio']:.2f} | "
-              f"{'/'.join(map(str, r['default_pick']))} | {r['default_us']:.1f} |")
+        lines.append(f"| {r['T']} | {r['H']} | {'/'.join(map(str, r['best']))} | {r['best_us']:.1f} | "
+                     f"{'/'.join(map(str, r['pick']))} | {r['pick_us']:.1f} | {r['ratio']:.2f} | "
+                     f"{'/'.join(map(str, r['default_pick']))} | {r['default_us']:.1f} |")
     within = sum(r["ratio"] <= 1.10 for r in rows)
-    print(f"planner pick within 10% of the best measured choice: {within}/{len(rows)}")
+    lines.append(f"planner pick within 10% of the best measured choice: {within}/{len(rows)}")
+    lines.append("")
+    lines.append("\"default pick\" uses the planner's built-in constants; \"planner pick\" the calibrated ones:")
+    lines.append(json.dumps(constants))
+    with open(os.path.join(FLAGS.out_dir, "planner_sweep.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines))
     return 0
 
 

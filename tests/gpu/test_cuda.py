@@ -159,8 +159,9 @@ def test_deterministic_over_ten_runs(rng, impl):
 
 
 @gpu
-def test_batch_invariant_token_output_does_not_depend_on_batch(rng):
-    case = cases.make_case(rng, "dsv3_2", num_tokens=64, num_heads=16, topk=600, cache_tokens=8192,
+@pytest.mark.parametrize("num_heads", [16, 128])  # 128: the Hopper kernels on an sm_90 GPU
+def test_batch_invariant_token_output_does_not_depend_on_batch(rng, num_heads):
+    case = cases.make_case(rng, "dsv3_2", num_tokens=64, num_heads=num_heads, topk=600, cache_tokens=8192,
                            topk_length=None, invalid_fraction=0.0, poison=False)
     q, cache, indices = jnp.asarray(case.q), jnp.asarray(case.main.array), jnp.asarray(case.indices)
     run = jax.jit(lambda q, i: jsm.sparse_mla(q, cache, i, kv_format="dsv3_2", sm_scale=0.05,
