@@ -6,6 +6,8 @@
 #include <atomic>
 #include <cstdint>
 
+#include "kernels/cuda/launch_params.h"
+
 namespace jsmla::cuda {
 
 // Runs a per-device setup step (e.g. raising a kernel's shared-memory limit, which is a property of
@@ -26,5 +28,21 @@ class DeviceOnce {
  private:
   std::atomic<uint64_t> done_{0};
 };
+
+// Launches a kernel of any family over its (token, head tile, split) grid on `stream`, first raising the
+// kernel's dynamic shared-memory limit (once per device, through `raised`) when it needs more than the
+// default 48 KB. The caller has checked the plan and the buffers; the grid is never empty (T > 0).
+template <class Kernel>
+cudaError_t launch_split_kv_grid(Kernel* kernel, int threads, int shared_bytes, DeviceOnce& raised,
+                                 const SplitKvParams& p, cudaStream_t stream) {
+  if (shared_bytes > 48 * 1024) {
+    const cudaError_t error = raised.run(
+        [&] { return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes); });
+    if (error != cudaSuccess) return error;
+  }
+  const int64_t blocks = p.attn.num_tokens * p.num_head_tiles * p.num_splits;
+  kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(p);
+  return cudaGetLastError();
+}
 
 }  // namespace jsmla::cuda

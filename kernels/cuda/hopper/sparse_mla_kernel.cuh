@@ -235,15 +235,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 // current device is an sm_90 GPU and the library carries sm_90a code).
 template <class Cfg>
 cudaError_t launch_sparse_mla_hopper(const SplitKvParams& p, cudaStream_t stream) {
-  auto* kernel = &sparse_mla_hopper_kernel<Cfg>;
   static DeviceOnce shared_memory_raised;
-  const cudaError_t error = shared_memory_raised.run([&] {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSharedBytes);
-  });
-  if (error != cudaSuccess) return error;
-  const int64_t blocks = p.attn.num_tokens * p.num_head_tiles * p.num_splits;
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSharedBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_split_kv_grid(&sparse_mla_hopper_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes, shared_memory_raised,
+                              p, stream);
 }
 
 }  // namespace jsmla::cuda::hopper

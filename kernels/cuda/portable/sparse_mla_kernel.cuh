@@ -272,17 +272,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
 // Launches one instantiation on `stream` (the caller has checked the plan and the buffers).
 template <class Cfg>
 cudaError_t launch_sparse_mla_portable(const SplitKvParams& p, cudaStream_t stream) {
-  auto* kernel = &sparse_mla_portable_kernel<Cfg>;
   static DeviceOnce shared_memory_raised;
-  if constexpr (Cfg::kSharedBytes > 48 * 1024) {
-    const cudaError_t error = shared_memory_raised.run([&] {
-      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSharedBytes);
-    });
-    if (error != cudaSuccess) return error;
-  }
-  const int64_t blocks = p.attn.num_tokens * p.num_head_tiles * p.num_splits;
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSharedBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_split_kv_grid(&sparse_mla_portable_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes,
+                              shared_memory_raised, p, stream);
 }
 
 }  // namespace jsmla::cuda::portable
