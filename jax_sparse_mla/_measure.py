@@ -1,7 +1,8 @@
 """On-device measurements behind :func:`jax_sparse_mla.calibration.calibrate`.
 
 Times forced plans of the CUDA kernels (PERF.md method: a ``lax.scan`` over rotating index sets in
-one jitted call, median of several calls) and fits :class:`jax_sparse_mla.planner.CostModel`: for
+one jitted call, calls queued back to back so that host dispatch is not counted, median of several
+samples) and fits :class:`jax_sparse_mla.planner.CostModel`: for
 every calibration shape (token counts :data:`CALIBRATION_TOKENS` × the requested head counts and
 candidate counts) it times every choice the planner has (prefill and a range of decode split counts,
 per instantiated head tile), then fits all constants at once by least squares on the logarithm of
@@ -27,6 +28,28 @@ _REPEATS = 7
 _POOL_BYTES = 192 * 1024 * 1024
 
 
+_CALLS_PER_SAMPLE = 4
+
+
+def median_step_seconds(run, args, steps: int, repeats: int, calls: int = _CALLS_PER_SAMPLE):
+    """(median, min, max) seconds per scan step of the jitted ``run(*args)`` (a ``lax.scan`` of
+    ``steps`` steps).
+
+    Each sample queues ``calls`` calls back to back and then waits for the last one: dispatch is
+    asynchronous, so the host's per-call overhead overlaps the device work of the calls before it and
+    the sample measures the device's time for ``calls * steps`` steps (plus one dispatch latency).
+    Two warm-up calls come first (compilation, first-use costs)."""
+    jax.block_until_ready(run(*args))
+    jax.block_until_ready(run(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        results = [run(*args) for _ in range(calls)]
+        jax.block_until_ready(results)
+        samples.append((time.perf_counter() - start) / (calls * steps))
+    return statistics.median(samples), min(samples), max(samples)
+
+
 def time_plan(plan, problem, q, cache, indices_sets) -> float:
     """Median µs per call of one forced plan (indices_sets: int32 [steps, T, topk])."""
 
@@ -40,13 +63,8 @@ def time_plan(plan, problem, q, cache, indices_sets) -> float:
         total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), indices_sets, unroll=True)
         return total
 
-    jax.block_until_ready(run(q, cache, indices_sets))
-    samples = []
-    for _ in range(_REPEATS):
-        start = time.perf_counter()
-        jax.block_until_ready(run(q, cache, indices_sets))
-        samples.append((time.perf_counter() - start) / indices_sets.shape[0] * 1e6)
-    return statistics.median(samples)
+    median, _, _ = median_step_seconds(run, (q, cache, indices_sets), indices_sets.shape[0], _REPEATS)
+    return median * 1e6
 
 
 def forced_plan(problem, variant: str, heads_per_block: int, num_splits: int = 1):

@@ -96,8 +96,13 @@ struct HopperConfig {
   static_assert(kStageOffset % 16 == 0 && kStageBytes % 16 == 0 && kScaleSlotsOffset % 16 == 0 &&
                     kBiasOffset % 16 == 0 && kExchangeOffset % 16 == 0,
                 "staging, scale slots and bias must be 16-byte aligned");
-  static_assert(kProducerThreads * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <= 65536,
-                "register reallocation must fit the register file");
+  // setmaxnreg moves registers between the warpgroups of a block: the block keeps what it was launched
+  // with (65536 / kThreads per thread, in steps of 8), and an increase waits until decreases have
+  // released enough, so asking for more than that total deadlocks.
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static_assert(kProducerThreads * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <=
+                    kThreads * kLaunchRegisters,
+                "register reallocation must fit the registers the block is launched with");
   static_assert(kProducerRegisters % 8 == 0 && kConsumerRegisters % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSharedBytes <= kMaxSharedBytes, "shared memory exceeds the sm_90 per-block limit");
   static_assert(kCandidateTile == 32, "the score accumulators below are one m64n32 tile");

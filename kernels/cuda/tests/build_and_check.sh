@@ -29,7 +29,7 @@ for f in "$BUILD"/CMakeFiles/jsmla_cuda.dir/kernels/cuda/hopper/instances/dsv3_2
   echo "== $(basename "$f")"
   cuobjdump --dump-sass "$f" | grep -oE "HGMMA[.A-Z0-9_]*|WARPGROUP[.A-Z]*|HMMA[.A-Z0-9]*|LDSM[.A-Z0-9]*|LDGSTS[.A-Z0-9]*|LDL|STL|MUFU.EX2|F2FP[.A-Z0-9]*|BAR[.A-Z]*" | sort | uniq -c
 done >"$OUT/sass_summary.txt" 2>&1
-python3 kernels/cuda/tests/ffi_check.py "$BUILD" 2>&1 | grep -v "^WARNING" | tee "$OUT/ffi.log"
+timeout 120 python3 kernels/cuda/tests/ffi_check.py "$BUILD" 2>&1 | grep -v "^WARNING" | tee "$OUT/ffi.log"
 timeout "${CHECK_TIMEOUT:-300}" "$BUILD/portable_check" "$@" 2>&1 | tee "$OUT/check.log"
 status=${PIPESTATUS[0]}
 if [ -z "${SKIP_SANITIZE:-}" ] && command -v compute-sanitizer >/dev/null; then
