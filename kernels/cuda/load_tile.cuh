@@ -195,7 +195,8 @@ struct TileLoader {
   // Stores the 16 dequantized values of FP8 unit `unit` (K lanes [16 unit, 16 unit + 16)).
   template <class Store>
   static JSMLA_DEVICE void convert_fp8_unit(uint4 fp8, const uint8_t* scale_slot, int unit, Store& store) {
-    float scale = group_scale_of(scale_slot, (16 * unit) / kF.group_size);
+    static_assert(kFp8Units == 0 || kF.group_size > 0, "FP8 lanes come in scale groups");
+    float scale = group_scale_of(scale_slot, kF.group_size > 0 ? (16 * unit) / kF.group_size : 0);
     if constexpr (kExactScales) scale = power_of_two_part(scale);
     store(16 * unit, make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
                                 fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale)));
