@@ -214,3 +214,48 @@ def test_fit_recovers_a_known_cost_model():
         a = jsm.plan((tokens, heads, 576), fmt, 2048, platform="cuda", device=DEVICE, cost_model=truth)
         b = jsm.plan((tokens, heads, 576), fmt, 2048, platform="cuda", device=DEVICE, cost_model=fitted)
         assert b.predicted_us == pytest.approx(a.predicted_us, rel=0.05)
+
+
+def test_step_timing_queues_calls_and_divides_by_all_steps(monkeypatch):
+    """median_step_seconds: two warm-up calls, then `calls` queued calls per sample, one wait per sample,
+    and the sample's time divided by calls x steps."""
+    from jax_sparse_mla import _measure
+
+    launched, waited = [], []
+    clock = iter(range(0, 1000, 1))  # perf_counter: 0, 1, 2, ... (one tick per reading)
+
+    def run(x):
+        launched.append(x)
+        return x
+
+    monkeypatch.setattr(_measure.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(_measure.jax, "block_until_ready", lambda value: waited.append(value) or value)
+    median, fastest, slowest = _measure.median_step_seconds(run, (7,), steps=5, repeats=3, calls=4)
+    assert len(launched) == 2 + 3 * 4
+    assert waited[:2] == [7, 7] and waited[2:] == [[7, 7, 7, 7]] * 3  # one wait per sample, on all its calls
+    assert median == fastest == slowest == pytest.approx(1.0 / (4 * 5))  # one tick per 20 steps
+
+
+def test_step_profile_summary_reads_the_measured_call(tmp_path, capsys):
+    """benchmarks/step_profile.py --summarize: the last of two identical kernel sequences is the call."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "step_profile.py")
+    spec = importlib.util.spec_from_file_location("step_profile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    setup = [("setup_fusion", "5,000")]
+    call = [("attention", "10,000"), ("reduce", "1,000"), ("attention", "12,000"), ("reduce", "1,000"),
+            ("add", "500")]
+    rows = setup + call + call  # warm-up call, then the measured one
+    csv_path = tmp_path / "kernels.csv"
+    csv_path.write_text("==PROF== noise\n" + header + "".join(
+        f'"{i}","{name}","gpu__time_duration.sum","nsecond","{value}"\n' for i, (name, value) in enumerate(rows)))
+    module.summarize(str(csv_path), 2)
+    text = capsys.readouterr().out
+    assert "measured call: 5 kernels over 2 steps" in text
+    assert "setup_fusion" not in text
+    # attention: (10 + 12) µs over 2 steps; all kernels: (22 + 2 + 0.5) / 2 = 12.25 µs per step.
+    assert [float(line.split()[-1]) for line in text.splitlines() if line.startswith("attention")] == [11.0]
+    assert float(text.splitlines()[-1].split()[-1]) == pytest.approx(12.25, abs=0.051)
