@@ -49,7 +49,9 @@ class CostModel:
     the portable ones for 16-head tiles there); calibrating fits them per device.
     """
 
-    launch_us: float = 21.4  # per launch, as seen by a step of a jitted program
+    launch_us: float = 21.4  # per launch (fitted when samples timed one call each, so it holds part of
+    # the call's host dispatch; a calibration with queued calls gives about 7 us on the H200 and the
+    # same picks on the planner sweep's grid)
     block_us: float = 1.62
     dequant_ns: float = 85.3  # gather + FP8 -> BF16 conversion of one candidate row by one block
     mma_ns_per_head: float = 0.0  # S = Q·Kᵀ and O += P·V of one candidate for one head (hidden on H200)
