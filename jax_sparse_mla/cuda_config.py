@@ -68,10 +68,10 @@ KERNELS = {
 
 #: The Hopper family (sm_90a only): (kv_format key, heads_per_block) -> its launch shape.
 HOPPER_KERNELS = {
-    ("dsv3_2", 64): KernelConfig(384, 32, 226560),
+    ("dsv3_2", 64): KernelConfig(384, 32, 230656),
     ("dsv4", 64): KernelConfig(384, 32, 206080),
-    ("dsv4_1", 64): KernelConfig(384, 32, 201984),
-    ("bf16_576", 64): KernelConfig(384, 32, 222464),
+    ("dsv4_1", 64): KernelConfig(384, 32, 206080),
+    ("bf16_576", 64): KernelConfig(384, 32, 226560),
     ("bf16_512", 64): KernelConfig(384, 32, 230656),
 }
 #: The compute capability the Hopper family runs on (sm_90a code runs on 9.0 devices only).

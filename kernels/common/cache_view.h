@@ -20,9 +20,15 @@ struct CacheView {
   JSMLA_HD int64_t num_slots() const { return num_pages * page_size; }
   JSMLA_HD bool contains(int64_t slot) const { return slot >= 0 && slot < num_slots(); }
 
+  // Page of a slot in [0, num_slots()). Slots come from int32 indices and page sizes are below 2^31,
+  // so one 32-bit unsigned division suffices (a 64-bit one is a long instruction sequence on GPUs).
+  JSMLA_HD int64_t page_of(int64_t slot) const {
+    return static_cast<int64_t>(static_cast<uint32_t>(slot) / static_cast<uint32_t>(page_size));
+  }
+
   // Address of the data row of a slot (fp8 values first, then bf16 lanes; or the bf16 row).
   JSMLA_HD const uint8_t* data_row(int64_t slot) const {
-    const int64_t page = slot / page_size;
+    const int64_t page = page_of(slot);
     const int64_t row = slot - page * page_size;
     return base + page * page_stride + row * row_stride;
   }
@@ -30,7 +36,7 @@ struct CacheView {
   // Address of the first scale of a slot.
   JSMLA_HD const uint8_t* scales(const FormatTraits& f, int64_t slot) const {
     if (f.layout != Layout::kFooter) return data_row(slot) + f.scale_offset;
-    const int64_t page = slot / page_size;
+    const int64_t page = page_of(slot);
     const int64_t row = slot - page * page_size;
     return base + page * page_stride + page_size * row_stride + row * f.scale_row_bytes;
   }

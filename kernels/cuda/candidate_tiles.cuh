@@ -46,15 +46,18 @@ struct PendingRow {
 };
 
 // Reads the index of row `row` of tile `tile_index` (nothing when the tile or row is out of range).
-template <int kCandidateTile>
+// kDualCache: the format may carry an extra cache (FormatTraits::dual_cache); without one, positions
+// past the main list are out of range and every access below is to `a.main` (no run-time choice of
+// parameters).
+template <bool kDualCache, int kCandidateTile>
 JSMLA_DEVICE PendingRow read_pending_row(const AttentionParams& a, const CandidateTiles<kCandidateTile>& tiles,
                                          int64_t token, int tile_index, int row) {
   PendingRow pending;
   if (tile_index < tiles.count) {
     const int32_t position = tiles.begin(tile_index) + row;
-    if (position < tiles.end(tile_index)) {
+    if (position < tiles.end(tile_index) && (kDualCache || position < a.main.topk)) {
       pending.in_range = true;
-      pending.in_extra = position >= a.main.topk;
+      pending.in_extra = kDualCache && position >= a.main.topk;
       const CandidateList& list = pending.in_extra ? a.extra : a.main;
       const int32_t j = pending.in_extra ? position - a.main.topk : position;
       pending.index = load_global_nc(list.indices + token * list.topk + j);
@@ -64,11 +67,14 @@ JSMLA_DEVICE PendingRow read_pending_row(const AttentionParams& a, const Candida
 }
 
 // The cache a pending row gathers from, and whether its slot is valid (a masked row is never read).
+template <bool kDualCache>
 JSMLA_DEVICE const CacheView& pending_cache(const AttentionParams& a, const PendingRow& row) {
-  return row.in_extra ? a.extra.cache : a.main.cache;
+  if constexpr (kDualCache) return row.in_extra ? a.extra.cache : a.main.cache;
+  return a.main.cache;
 }
+template <bool kDualCache>
 JSMLA_DEVICE bool pending_valid(const AttentionParams& a, const PendingRow& row) {
-  return row.in_range && pending_cache(a, row).contains(row.index);
+  return row.in_range && pending_cache<kDualCache>(a, row).contains(row.index);
 }
 
 // The (token, head tile, split) of a block; blocks are split-major within a head tile, token-major overall.

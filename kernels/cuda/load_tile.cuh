@@ -120,8 +120,9 @@ struct TileLoader {
   }
 
   // convert_into for a thread that owns a whole row's worth of units and spare registers: the valid
-  // test is made once, and the staged units are loaded kBatch at a time before they are converted
-  // (no branch between them), so their shared-memory loads are in flight together.
+  // test and the choice of FP8 conversion (bit_path_scale for all of the thread's groups) are made
+  // once, and the staged units are loaded kBatch at a time before they are converted (no branch
+  // between them), so their shared-memory loads are in flight together.
   template <int kBatch, class Store>
   static JSMLA_DEVICE void convert_batched(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot, int sub,
                                            Store&& store) {
@@ -141,26 +142,13 @@ struct TileLoader {
       }
       return;
     }
+    bool bit_path = true;
 #pragma unroll
-    for (int first = 0; first < kUnitsPerThread; first += kBatch) {
-      uint4 staged[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (first + j < kUnitsPerThread) {
-          staged[j] = *reinterpret_cast<const uint4*>(staged_row + 16 * (sub + (first + j) * kThreadsPerRow));
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int i = first + j;
-        if (i >= kUnitsPerThread) continue;
-        const int unit = sub + i * kThreadsPerRow;
-        if (i < kFp8PerThread) {
-          convert_fp8_unit(staged[j], scale_slot, unit, store);
-        } else {
-          store(kF.fp8_dim + 8 * (unit - kFp8Units), staged[j]);
-        }
-      }
+    for (int i = 0; i < kFp8PerThread; ++i) bit_path &= bit_path_scale(unit_scale(scale_slot, sub + i * kThreadsPerRow));
+    if (bit_path) {
+      convert_staged<kBatch, true>(staged_row, scale_slot, sub, store);
+    } else {
+      convert_staged<kBatch, false>(staged_row, scale_slot, sub, store);
     }
   }
 
@@ -192,16 +180,107 @@ struct TileLoader {
   }
 
  private:
+  // The staged units of convert_batched, kBatch loads at a time, all FP8 units on one path.
+  template <int kBatch, bool kBitPath, class Store>
+  static JSMLA_DEVICE void convert_staged(const uint8_t* staged_row, const uint8_t* scale_slot, int sub, Store& store) {
+    constexpr int kFp8PerThread = kFp8Units / kThreadsPerRow;
+#pragma unroll
+    for (int first = 0; first < kUnitsPerThread; first += kBatch) {
+      uint4 staged[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (first + j < kUnitsPerThread) {
+          staged[j] = *reinterpret_cast<const uint4*>(staged_row + 16 * (sub + (first + j) * kThreadsPerRow));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = first + j;
+        if (i >= kUnitsPerThread) continue;
+        const int unit = sub + i * kThreadsPerRow;
+        if (i < kFp8PerThread) {
+          dequantize_fp8_unit<kBitPath>(staged[j], unit_scale(scale_slot, unit), unit, store);
+        } else {
+          store(kF.fp8_dim + 8 * (unit - kFp8Units), staged[j]);
+        }
+      }
+    }
+  }
+
   // Stores the 16 dequantized values of FP8 unit `unit` (K lanes [16 unit, 16 unit + 16)).
   template <class Store>
   static JSMLA_DEVICE void convert_fp8_unit(uint4 fp8, const uint8_t* scale_slot, int unit, Store& store) {
+    const float scale = unit_scale(scale_slot, unit);
+    if (bit_path_scale(scale)) {
+      dequantize_fp8_unit<true>(fp8, scale, unit, store);
+    } else {
+      dequantize_fp8_unit<false>(fp8, scale, unit, store);
+    }
+  }
+
+  // The scale the tile applies to FP8 unit `unit`: its group's scale (its power-of-two part for
+  // kExactScales).
+  static JSMLA_DEVICE float unit_scale(const uint8_t* scale_slot, int unit) {
     static_assert(kFp8Units == 0 || kF.group_size > 0, "FP8 lanes come in scale groups");
-    float scale = group_scale_of(scale_slot, kF.group_size > 0 ? (16 * unit) / kF.group_size : 0);
-    if constexpr (kExactScales) scale = power_of_two_part(scale);
-    store(16 * unit, make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
-                                fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale)));
-    store(16 * unit + 8, make_uint4(fp8x2_to_bf16x2(fp8.z, scale), fp8x2_to_bf16x2(fp8.z >> 16, scale),
-                                    fp8x2_to_bf16x2(fp8.w, scale), fp8x2_to_bf16x2(fp8.w >> 16, scale)));
+    const float scale = group_scale_of(scale_slot, kF.group_size > 0 ? (16 * unit) / kF.group_size : 0);
+    if constexpr (kExactScales) return power_of_two_part(scale);
+    return scale;
+  }
+
+ public:
+  // Scales the bit path serves: zero and the powers of two up to 2^7 in magnitude, for which it gives
+  // the same bits as the FP32 path (scale · 2^120 is then a normal BF16, and every e4m3 value times it
+  // is exact in BF16). Any other scale, NaN and infinity included, takes the FP32 path.
+  static JSMLA_DEVICE bool bit_path_scale(float scale) {
+    const uint32_t bits = __float_as_uint(scale);
+    return (bits & 0x007fffffu) == 0u && (bits & 0x7fffffffu) <= 0x43000000u;
+  }
+
+  // FP8 unit × scale → 16 BF16 values, stored as two 8-value halves (first_dim 16 unit, 16 unit + 8).
+  // kBitPath (bit_path_scale(scale) must hold): each e4m3 byte is moved into the BF16 bit fields with
+  // integer operations (prmt, shift, and), which reads it as value · 2^-120 (subnormals included), and
+  // one BF16 multiply by scale · 2^120 restores it: 4 full-rate instructions per pair of values, no
+  // conversion instructions. The e4m3 NaN codes become ±480 · scale on this path (SPEC leaves
+  // non-finite referenced payloads open); the FP32 path keeps them NaN.
+  template <bool kBitPath, class Store>
+  static JSMLA_DEVICE void dequantize_fp8_unit(uint4 fp8, float scale, int unit, Store& store) {
+    if constexpr (kBitPath) {
+      const uint32_t multiplier = bf16x2_broadcast_high(__float_as_uint(scale * 0x1p120f));
+      store(16 * unit, make_uint4(bit_pair(fp8.x, kLowPair, multiplier), bit_pair(fp8.x, kHighPair, multiplier),
+                                  bit_pair(fp8.y, kLowPair, multiplier), bit_pair(fp8.y, kHighPair, multiplier)));
+      store(16 * unit + 8, make_uint4(bit_pair(fp8.z, kLowPair, multiplier), bit_pair(fp8.z, kHighPair, multiplier),
+                                      bit_pair(fp8.w, kLowPair, multiplier), bit_pair(fp8.w, kHighPair, multiplier)));
+    } else {
+      store(16 * unit, make_uint4(fp8x2_to_bf16x2(fp8.x, scale), fp8x2_to_bf16x2(fp8.x >> 16, scale),
+                                  fp8x2_to_bf16x2(fp8.y, scale), fp8x2_to_bf16x2(fp8.y >> 16, scale)));
+      store(16 * unit + 8, make_uint4(fp8x2_to_bf16x2(fp8.z, scale), fp8x2_to_bf16x2(fp8.z >> 16, scale),
+                                      fp8x2_to_bf16x2(fp8.w, scale), fp8x2_to_bf16x2(fp8.w >> 16, scale)));
+    }
+  }
+
+ private:
+  // prmt selectors: bytes 0, 1 (resp. 2, 3) of a word, each sign-extended to a 16-bit lane.
+  static constexpr uint32_t kLowPair = 0x9180u;
+  static constexpr uint32_t kHighPair = 0xb3a2u;
+
+  // Two e4m3 bytes of `word` (picked by `selector`) times the BF16 pair `multiplier`, as a BF16 pair.
+  // After the sign extension a lane is s…s eeee mmm; shifted left by 4 and masked it is the BF16
+  // pattern s 0000 eeee mmm 0000, i.e. the e4m3 value times 2^-120.
+  static JSMLA_DEVICE uint32_t bit_pair(uint32_t word, uint32_t selector, uint32_t multiplier) {
+    uint32_t spread;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(spread) : "r"(word), "r"(selector));
+    const uint32_t scaled_down = (spread << 4) & 0x87f087f0u;
+    uint32_t product;
+    // x · m + (-0) is exactly the rounded product, signed zeros included.
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(product) : "r"(scaled_down), "r"(multiplier), "r"(0x80008000u));
+    return product;
+  }
+
+  // The BF16 pair (h, h) of the high half h of a float whose low half is zero.
+  static JSMLA_DEVICE uint32_t bf16x2_broadcast_high(uint32_t float_bits) {
+    uint32_t pair;
+    asm("prmt.b32 %0, %1, 0, 0x3232;" : "=r"(pair) : "r"(float_bits));
+    return pair;
   }
 
   static JSMLA_DEVICE float group_scale_of(const uint8_t* scale_slot, int group) {

@@ -11,13 +11,20 @@
 namespace jsmla::cuda {
 
 struct RunningSoftmax {
+  // A row's running max moves only when a tile's max exceeds it by more than kMaxLag (log2 domain).
+  // Until then P = 2^(s - max) stays below 2^kMaxLag — harmless for the FP32 sums and accumulators and
+  // for P in BF16 (same relative precision) — and the output accumulators need no rescale: after the
+  // first tiles almost none do. The final normalisation divides by the sum taken with the same max.
+  static constexpr float kMaxLag = 8.0f;
+
   float row_max[2] = {-INFINITY, -INFINITY};  // in the log2 domain
   float row_sum[2] = {0.0f, 0.0f};            // this thread's columns only until finish()
 
   // Turns a tile of raw scores into P = 2^(s·scale + bias - max) in place (bias: 0 or -inf per
-  // column, read from `bias` at the column index), updates the running max and sum, and returns in
-  // `rescale` the factor each row's output accumulators must be multiplied by. A row that has seen only
-  // masked candidates keeps max -inf and everything at zero.
+  // column, read from `bias` at the column index), updates the running max (see kMaxLag) and sum, and
+  // returns in `rescale` the factor each row's output accumulators must be multiplied by (exactly 1
+  // when the max did not move). A row that has seen only masked candidates keeps max -inf and
+  // everything at zero.
   template <int kTiles>
   JSMLA_DEVICE void update(float (&score)[kTiles][4], const float* bias, float score_scale, int lane,
                            float (&rescale)[2]) {
@@ -37,7 +44,7 @@ struct RunningSoftmax {
     for (int r = 0; r < 2; ++r) {
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
       tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-      const float new_max = fmaxf(row_max[r], tile_max[r]);
+      const float new_max = tile_max[r] > row_max[r] + kMaxLag ? tile_max[r] : row_max[r];
       subtract[r] = new_max == -INFINITY ? 0.0f : new_max;
       rescale[r] = fast_exp2(row_max[r] - subtract[r]);
       row_max[r] = new_max;
@@ -54,8 +61,8 @@ struct RunningSoftmax {
     }
   }
 
-  // Once the running maxima settle most tiles leave them unchanged (every factor exactly 1): the
-  // output rescale can then be skipped with bit-identical results. Warp-uniform.
+  // Most tiles leave the running maxima unchanged (every factor exactly 1): the output rescale can
+  // then be skipped with bit-identical results. Warp-uniform.
   JSMLA_DEVICE static bool needs_rescale(const float (&rescale)[2]) {
     return __any_sync(0xffffffffu, rescale[0] != 1.0f || rescale[1] != 1.0f);
   }

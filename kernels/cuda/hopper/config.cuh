@@ -38,8 +38,8 @@ struct HopperConfig {
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerGroups = 2;
   static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
-  static constexpr int kProducerRegisters = 72;
-  static constexpr int kConsumerRegisters = 216;
+  static constexpr int kProducerRegisters = 104;
+  static constexpr int kConsumerRegisters = 200;
   static constexpr int kDqk = kF.d_qk;
   static constexpr int kDv = kF.d_v;
   static constexpr int kDvPerGroup = kDv / kConsumerGroups;  // wgmma N of P·V
@@ -49,7 +49,7 @@ struct HopperConfig {
 
   using Loader = TileLoader<kFormat, kCandidateTile, kProducerThreads>;
   // Staged units a producer thread loads before converting them (bounded by its registers).
-  static constexpr int kConvertBatch = 5;
+  static constexpr int kConvertBatch = 10;
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;
@@ -59,11 +59,25 @@ struct HopperConfig {
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
   static constexpr int kTileBytes = kCandidateTile * kDqk * 2;
   static constexpr int kTileBlockBytes = kCandidateTile * kAtomBytes;  // one 64-column block of a tile
-  static constexpr int kStageBytes = kCandidateTile * Loader::kStagedRowBytes;
   static constexpr int kScaleSlotsBytes = Loader::kScaleRecordBytes > 0 ? kProducerThreads * kScaleSlotBytes : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
   // Partial scores: [2 buffers][2 consumers][16 values][128 threads] floats.
   static constexpr int kExchangeBytes = 2 * kConsumerGroups * 16 * 128 * 4;
+  // Staged rows preferably sit an odd multiple of 64 bytes apart: a warp's cp.async (and later its
+  // shared-memory loads) covers 8 rows × 64 contiguous bytes, which then fall into alternating halves
+  // of the 32 banks, 4 wavefronts per instruction (a pitch that is a multiple of 128 bytes puts all 8
+  // rows on the same 16 banks, 4 times the wavefronts).
+  static constexpr int kPaddedPitch = (Loader::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
+  static constexpr bool fits(int pitch, bool split_scores) {
+    return kQBytes + 2 * kTileBytes + 2 * kCandidateTile * pitch + 2 * kScaleSlotsBytes + 2 * kBiasBytes +
+               (split_scores ? kExchangeBytes : 0) + 1024 <=
+           kMaxSharedBytes;
+  }
+  // Split S between the consumers (halves the Q·Kᵀ work and its shared-memory reads) when it fits, with
+  // the padded pitch if that fits too.
+  static constexpr bool kSplitScores = fits(Loader::kStagedRowBytes, true);
+  static constexpr int kStagePitch = fits(kPaddedPitch, kSplitScores) ? kPaddedPitch : Loader::kStagedRowBytes;
+  static constexpr int kStageBytes = kCandidateTile * kStagePitch;
 
   static constexpr int kQOffset = 0;
   static constexpr int kTileOffset = kQOffset + kQBytes;
@@ -71,8 +85,6 @@ struct HopperConfig {
   static constexpr int kScaleSlotsOffset = kStageOffset + 2 * kStageBytes;
   static constexpr int kBiasOffset = kScaleSlotsOffset + 2 * kScaleSlotsBytes;
   static constexpr int kExchangeOffset = kBiasOffset + 2 * kBiasBytes;
-  // Split S between the consumers (halves the Q·Kᵀ work and its shared-memory reads) when it fits.
-  static constexpr bool kSplitScores = kExchangeOffset + kExchangeBytes + 1024 <= kMaxSharedBytes;
   static constexpr int kUsedBytes = kExchangeOffset + (kSplitScores ? kExchangeBytes : 0);
   static constexpr int kSharedBytes = kUsedBytes + 1024;  // slack to align the base to 1024 bytes
   // k16 steps of S per consumer.
@@ -89,6 +101,8 @@ struct HopperConfig {
   static_assert(kDvPerGroup == 256, "one m64n256k16 wgmma per k16 step covers a consumer's half of d_v");
   static_assert(kCandidateTile % 16 == 0 && kCandidateTile % 8 == 0, "P·V consumes candidates in k16 steps");
   static_assert(kProducerThreads % kCandidateTile == 0, "every tile row gets the same number of producer threads");
+  static_assert(Loader::kThreadsPerRow * 16 == 64, "a warp stages 8 rows × 64 bytes per cp.async (kPaddedPitch)");
+  static_assert(kStagePitch >= Loader::kStagedRowBytes && kStagePitch % 16 == 0, "staged rows must not overlap");
   static_assert(!Loader::kExactScales, "arbitrary FP32 scales are not served by this family");
   static_assert(kQOffset % 1024 == 0 && kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 &&
                     kQBlockBytes % 1024 == 0 && kTileBlockBytes % 1024 == 0,

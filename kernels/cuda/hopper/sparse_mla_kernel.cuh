@@ -13,6 +13,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "kernels/cuda/candidate_tiles.cuh"
 #include "kernels/cuda/hopper/config.cuh"
 #include "kernels/cuda/hopper/launch.h"
@@ -64,20 +66,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     decrease_registers<Cfg::kProducerRegisters>();
     const int load_row = threadIdx.x / Loader::kThreadsPerRow;
     const int load_sub = threadIdx.x % Loader::kThreadsPerRow;
-    auto staged_row = [&](int b) { return smem + Cfg::kStageOffset + b * Cfg::kStageBytes + load_row * Loader::kStagedRowBytes; };
+    auto staged_row = [&](int b) { return smem + Cfg::kStageOffset + b * Cfg::kStageBytes + load_row * Cfg::kStagePitch; };
     auto scale_slot = [&](int b) {
       return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes + threadIdx.x * kScaleSlotBytes;
     };
     auto issue_row = [&](const PendingRow& row, int b) {
-      const bool valid = pending_valid(a, row);
-      if (valid) Loader::issue(pending_cache(a, row), row.index, staged_row(b), scale_slot(b), load_sub);
+      const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
+      if (valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row(b), scale_slot(b), load_sub);
       cp_async_commit();
       return valid;
     };
     // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
-    uint32_t staged_valid = issue_row(read_pending_row(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
-    staged_valid |= issue_row(read_pending_row(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
-    PendingRow pending = read_pending_row(a, tiles, token, 2, load_row);
+    uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
+    staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
+    PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
     for (int i = 0; i < tiles.count; ++i) {
       const int b = i & 1;
       cp_async_wait_pending<1>();
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       fence_proxy_async_shared();
       named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
       staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
-      pending = read_pending_row(a, tiles, token, i + 3, load_row);
+      pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
     }
     cp_async_wait_pending<0>();
     return;
@@ -100,7 +102,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // -------------------------------------------------------------------- consumer warpgroups
   increase_registers<Cfg::kConsumerRegisters>();
   const int consumer_thread = threadIdx.x - Cfg::kProducerThreads;  // 0 .. 255
-  const int group = consumer_thread / 128;                          // which half of d_v
   const int warp = (consumer_thread % 128) / 32;                    // 16 head rows each
   const int lane = threadIdx.x % 32;
   const bool write_final = p.workspace.partial_out == nullptr;
@@ -123,108 +124,117 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     named_barrier_sync(Cfg::kQBarrier, 128 * Cfg::kConsumerGroups);
   }
 
-  const float score_scale = a.sm_scale * kLog2e;  // scores in the log2 domain
-  RunningSoftmax softmax;                         // rows lane/4 and lane/4 + 8 of the warp's 16
-  float out_acc[Cfg::kOutRegisters];
+  // The rest runs with the consumer's half of d_v as a compile-time constant: every shared-memory
+  // descriptor is then a warp-uniform base plus constants, computed in uniform registers.
+  auto consume = [&](auto group_constant) {
+    constexpr int group = decltype(group_constant)::value;
+    const float score_scale = a.sm_scale * kLog2e;  // scores in the log2 domain
+    RunningSoftmax softmax;                         // rows lane/4 and lane/4 + 8 of the warp's 16
+    float out_acc[Cfg::kOutRegisters];
 #pragma unroll
-  for (int i = 0; i < Cfg::kOutRegisters; ++i) out_acc[i] = 0.0f;
+    for (int i = 0; i < Cfg::kOutRegisters; ++i) out_acc[i] = 0.0f;
 
-  const uint64_t q_descriptor = smem_descriptor(q_smem, 16, 1024);
-  for (int i = 0; i < tiles.count; ++i) {
-    const int b = i & 1;
-    named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kThreads);
-    const uint8_t* const tile = tile_buffer(b);
+    const SmemDescriptor q_descriptor = smem_descriptor(q_smem, 16, 1024);
+    for (int i = 0; i < tiles.count; ++i) {
+      const int b = i & 1;
+      named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kThreads);
+      const uint8_t* const tile = tile_buffer(b);
 
-    // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile. With kSplitScores
-    // each consumer covers its half of the k-steps and the partials are summed through shared memory.
-    float score[kN / 8][4];  // the m64n32 accumulators: score[j][r] as in online_softmax.cuh
-    float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
-    const uint64_t k_descriptor = smem_descriptor(tile, 16, 1024);
-    const int ks_first = Cfg::kSplitScores ? group * Cfg::kKStepsPerGroup : 0;
-    wgmma_fence();
+      // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile. With kSplitScores
+      // each consumer covers its half of the k-steps and the partials are summed through shared memory.
+      float score[kN / 8][4];  // the m64n32 accumulators: score[j][r] as in online_softmax.cuh
+      float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
+      const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
+      constexpr int ks_first = Cfg::kSplitScores ? group * Cfg::kKStepsPerGroup : 0;
+      wgmma_fence();
 #pragma unroll
-    for (int step = 0; step < Cfg::kKStepsPerGroup; ++step) {
-      const int ks = ks_first + step;
-      const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
-      const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-      wgmma_m64n32k16_ss(score_registers, q_descriptor + (q_offset >> 4), k_descriptor + (k_offset >> 4), step > 0 ? 1 : 0);
+      for (int step = 0; step < Cfg::kKStepsPerGroup; ++step) {
+        const int ks = ks_first + step;
+        const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
+        const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
+        wgmma_m64n32k16_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
+                           step > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_registers(score_registers);
+      if constexpr (Cfg::kSplitScores) {
+        // [buffer][consumer][value][thread]: consecutive threads, consecutive words.
+        float* const exchange = reinterpret_cast<float*>(smem + Cfg::kExchangeOffset) + b * 2 * 16 * 128;
+        const int thread_in_group = consumer_thread % 128;
+#pragma unroll
+        for (int v = 0; v < 16; ++v) exchange[(group * 16 + v) * 128 + thread_in_group] = score_registers[v];
+        named_barrier_sync(Cfg::kExchangeBarrier, 128 * Cfg::kConsumerGroups);
+        // partial(consumer 0) + partial(consumer 1): addition commutes exactly, so both hold the same S.
+#pragma unroll
+        for (int v = 0; v < 16; ++v) score_registers[v] += exchange[((1 - group) * 16 + v) * 128 + thread_in_group];
+      }
+
+      // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
+      float rescale[2];
+      softmax.update(score, score_bias + b * kN, score_scale, lane, rescale);
+      if (RunningSoftmax::needs_rescale(rescale)) {
+#pragma unroll
+        for (int c = 0; c < Cfg::kOutRegisters; c += 4) {
+          out_acc[c + 0] *= rescale[0];
+          out_acc[c + 1] *= rescale[0];
+          out_acc[c + 2] *= rescale[1];
+          out_acc[c + 3] *= rescale[1];
+        }
+      }
+
+      // O[:, group half] += P·V: P (BF16) from the score registers, V = tile columns of this half, N-major.
+      const SmemDescriptor v_descriptor = smem_descriptor(
+          tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
+      uint32_t p_fragment[kN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) {
+        p_fragment[kk][0] = pack_bf16x2(score[2 * kk][0], score[2 * kk][1]);
+        p_fragment[kk][1] = pack_bf16x2(score[2 * kk][2], score[2 * kk][3]);
+        p_fragment[kk][2] = pack_bf16x2(score[2 * kk + 1][0], score[2 * kk + 1][1]);
+        p_fragment[kk][3] = pack_bf16x2(score[2 * kk + 1][2], score[2 * kk + 1][3]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kN / 16; ++kk) wgmma_m64n256k16_rs(out_acc, p_fragment[kk], v_descriptor.offset(kk * 16 * 128));
+      wgmma_commit();
+      wgmma_wait_all();
+      fence_registers(out_acc);
+      if (i + 2 < tiles.count) named_barrier_arrive(Cfg::kEmptyBarrier + b, Cfg::kThreads);
     }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(score_registers);
-    if constexpr (Cfg::kSplitScores) {
-      // [buffer][consumer][value][thread]: consecutive threads, consecutive words.
-      float* const exchange = reinterpret_cast<float*>(smem + Cfg::kExchangeOffset) + b * 2 * 16 * 128;
-      const int thread_in_group = consumer_thread % 128;
-#pragma unroll
-      for (int v = 0; v < 16; ++v) exchange[(group * 16 + v) * 128 + thread_in_group] = score_registers[v];
-      named_barrier_sync(Cfg::kExchangeBarrier, 128 * Cfg::kConsumerGroups);
-      // partial(consumer 0) + partial(consumer 1): addition commutes exactly, so both hold the same S.
-#pragma unroll
-      for (int v = 0; v < 16; ++v) score_registers[v] += exchange[((1 - group) * 16 + v) * 128 + thread_in_group];
-    }
 
-    // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
-    float rescale[2];
-    softmax.update(score, score_bias + b * kN, score_scale, lane, rescale);
-    if (RunningSoftmax::needs_rescale(rescale)) {
+    // ---- epilogue: rows of this thread, columns of this consumer's half ----
+    softmax.finish();
+    const int column_first = group * Cfg::kDvPerGroup + 2 * (lane % 4);
 #pragma unroll
-      for (int c = 0; c < Cfg::kOutRegisters; c += 4) {
-        out_acc[c + 0] *= rescale[0];
-        out_acc[c + 1] *= rescale[0];
-        out_acc[c + 2] *= rescale[1];
-        out_acc[c + 3] *= rescale[1];
+    for (int r = 0; r < 2; ++r) {
+      const int head = head_begin + 16 * warp + lane / 4 + 8 * r;
+      if (head >= num_heads) continue;
+      const RowFinish finish = finish_row(softmax.row_max[r], softmax.row_sum[r], write_final, a.attn_sink, head);
+      if (write_final) {
+        uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
+#pragma unroll
+        for (int j = 0; j < Cfg::kDvPerGroup / 8; ++j) {
+          *reinterpret_cast<uint32_t*>(out + 8 * j) =
+              pack_bf16x2(out_acc[4 * j + 2 * r] * finish.factor, out_acc[4 * j + 2 * r + 1] * finish.factor);
+        }
+        if (group == 0 && lane % 4 == 0) a.lse[token * num_heads + head] = finish.lse;
+      } else {
+        const int64_t row = SplitWorkspace::row(coordinates.split, token, head, a.num_tokens, num_heads);
+        float* out = p.workspace.partial_out + row * Cfg::kDv + column_first;
+#pragma unroll
+        for (int j = 0; j < Cfg::kDvPerGroup / 8; ++j) {
+          *reinterpret_cast<float2*>(out + 8 * j) =
+              make_float2(out_acc[4 * j + 2 * r] * finish.factor, out_acc[4 * j + 2 * r + 1] * finish.factor);
+        }
+        if (group == 0 && lane % 4 == 0) p.workspace.partial_lse[row] = finish.lse;
       }
     }
-
-    // O[:, group half] += P·V: P (BF16) from the score registers, V = tile columns of this half, N-major.
-    const uint64_t v_descriptor = smem_descriptor(tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes,
-                                                  Cfg::kTileBlockBytes, 1024);
-    uint32_t p_fragment[kN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-      p_fragment[kk][0] = pack_bf16x2(score[2 * kk][0], score[2 * kk][1]);
-      p_fragment[kk][1] = pack_bf16x2(score[2 * kk][2], score[2 * kk][3]);
-      p_fragment[kk][2] = pack_bf16x2(score[2 * kk + 1][0], score[2 * kk + 1][1]);
-      p_fragment[kk][3] = pack_bf16x2(score[2 * kk + 1][2], score[2 * kk + 1][3]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-      wgmma_m64n256k16_rs(out_acc, p_fragment[kk], v_descriptor + ((kk * 16 * 128) >> 4));
-    }
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_registers(out_acc);
-    if (i + 2 < tiles.count) named_barrier_arrive(Cfg::kEmptyBarrier + b, Cfg::kThreads);
-  }
-
-  // ---- epilogue: rows of this thread, columns of this consumer's half ----
-  softmax.finish();
-  const int column_first = group * Cfg::kDvPerGroup + 2 * (lane % 4);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int head = head_begin + 16 * warp + lane / 4 + 8 * r;
-    if (head >= num_heads) continue;
-    const RowFinish finish = finish_row(softmax.row_max[r], softmax.row_sum[r], write_final, a.attn_sink, head);
-    if (write_final) {
-      uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
-#pragma unroll
-      for (int j = 0; j < Cfg::kDvPerGroup / 8; ++j) {
-        *reinterpret_cast<uint32_t*>(out + 8 * j) =
-            pack_bf16x2(out_acc[4 * j + 2 * r] * finish.factor, out_acc[4 * j + 2 * r + 1] * finish.factor);
-      }
-      if (group == 0 && lane % 4 == 0) a.lse[token * num_heads + head] = finish.lse;
-    } else {
-      const int64_t row = SplitWorkspace::row(coordinates.split, token, head, a.num_tokens, num_heads);
-      float* out = p.workspace.partial_out + row * Cfg::kDv + column_first;
-#pragma unroll
-      for (int j = 0; j < Cfg::kDvPerGroup / 8; ++j) {
-        *reinterpret_cast<float2*>(out + 8 * j) =
-            make_float2(out_acc[4 * j + 2 * r] * finish.factor, out_acc[4 * j + 2 * r + 1] * finish.factor);
-      }
-      if (group == 0 && lane % 4 == 0) p.workspace.partial_lse[row] = finish.lse;
-    }
+  };
+  if (consumer_thread < 128) {
+    consume(std::integral_constant<int, 0>{});
+  } else {
+    consume(std::integral_constant<int, 1>{});
   }
 #else
   __trap();  // no sm_90a code in this build: the host never launches it (hopper::compiled())

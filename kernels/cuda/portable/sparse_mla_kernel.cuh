@@ -63,11 +63,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   uint8_t* const scale_slot = scale_slots + threadIdx.x * kScaleSlotBytes;
   uint16_t* const tile_row = tile + load_row * kPitch;
 
-  auto read_row = [&](int tile_index) { return read_pending_row(a, tiles, token, tile_index, load_row); };
+  auto read_row = [&](int tile_index) { return read_pending_row<Loader::kF.dual_cache>(a, tiles, token, tile_index, load_row); };
   // Starts the gather of a row; returns whether it is valid (a masked row is never read).
   auto issue_row = [&](const PendingRow& row) {
-    const bool valid = pending_valid(a, row);
-    if (valid) Loader::issue(pending_cache(a, row), row.index, staged_row, scale_slot, load_sub);
+    const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
+    if (valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row, scale_slot, load_sub);
     cp_async_commit();
     return valid;
   };

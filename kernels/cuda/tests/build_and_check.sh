@@ -27,7 +27,7 @@ for f in "$BUILD"/CMakeFiles/jsmla_cuda.dir/kernels/cuda/hopper/instances/dsv3_2
          "$BUILD"/CMakeFiles/jsmla_cuda.dir/kernels/cuda/portable/instances/dsv3_2_h64.cu.o \
          "$BUILD"/CMakeFiles/jsmla_cuda.dir/kernels/cuda/portable/instances/bf16_576_h64.cu.o; do
   echo "== $(basename "$f")"
-  cuobjdump --dump-sass "$f" | grep -oE "HGMMA[.A-Z0-9_]*|WARPGROUP[.A-Z]*|HMMA[.A-Z0-9]*|LDSM[.A-Z0-9]*|LDGSTS[.A-Z0-9]*|LDL|STL|MUFU.EX2|F2FP[.A-Z0-9]*|BAR[.A-Z]*" | sort | uniq -c
+  cuobjdump --dump-sass "$f" | grep -oE "HGMMA[.A-Z0-9_]*|WARPGROUP[.A-Z]*|HMMA[.A-Z0-9]*|LDSM[.A-Z0-9]*|LDGSTS[.A-Z0-9]*|LDL|STL|MUFU.EX2|F2FP[.A-Z0-9]*|PRMT|HFMA2[.A-Z0-9_]*|BAR[.A-Z]*" | sort | uniq -c
 done >"$OUT/sass_summary.txt" 2>&1
 timeout 120 python3 kernels/cuda/tests/ffi_check.py "$BUILD" 2>&1 | grep -v "^WARNING" | tee "$OUT/ffi.log"
 timeout "${CHECK_TIMEOUT:-300}" "$BUILD/portable_check" "$@" 2>&1 | tee "$OUT/check.log"

@@ -9,8 +9,10 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize]   (exit code 0 only when every check passes)
-//   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck.
+// Run: ./portable_check [--quick | --sanitize | --headline | --profile]   (exit code 0 only when every
+// check passes)
+//   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
+//   --headline: the headline shapes on the Hopper family, checked and timed; --profile: see below.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,6 +29,7 @@
 #include "kernels/cpu/sparse_mla_cpu.h"
 #include "kernels/cuda/combine.h"
 #include "kernels/cuda/hopper/registry.h"
+#include "kernels/cuda/load_tile.cuh"
 #include "kernels/cuda/portable/registry.h"
 
 namespace {
@@ -80,9 +83,12 @@ struct HostCache {
 };
 
 // A cache of `num_pages` pages of `page_size` tokens; row_stride / page_stride may add padding,
-// which is filled with 0xff (NaN as FP8 and BF16) so that a read of it would show.
+// which is filled with 0xff (NaN as FP8 and BF16) so that a read of it would show. With
+// `wide_scales`, a third of the rows get their group scales times 2^16 (FP8 codes near the bottom of
+// the range, subnormals included; scales above 2^7 take the loader's FP32 path) and another third
+// times 2^-16 (saturated codes, tiny values).
 HostCache build_cache(const FormatTraits& f, int64_t num_pages, int64_t page_size, int64_t row_stride,
-                      int64_t page_stride, uint64_t seed, const Fp8Table& fp8) {
+                      int64_t page_stride, uint64_t seed, const Fp8Table& fp8, bool wide_scales = false) {
   HostCache c;
   c.bytes.assign(static_cast<size_t>(num_pages * page_stride), 0xff);
   c.view.base = c.bytes.data();
@@ -107,8 +113,9 @@ HostCache build_cache(const FormatTraits& f, int64_t num_pages, int64_t page_siz
           for (int g = 0; g < f.num_groups; ++g) {
             float amax = 1e-4f;
             for (int i = g * f.group_size; i < (g + 1) * f.group_size; ++i) amax = std::max(amax, std::fabs(x[i]));
-            const float scale = (f.pow2_scales || f.scale_kind == ScaleKind::kUe8m0) ? pow2_ceil(amax / 448.0f)
-                                                                                   : amax / 448.0f;
+            float scale = (f.pow2_scales || f.scale_kind == ScaleKind::kUe8m0) ? pow2_ceil(amax / 448.0f)
+                                                                             : amax / 448.0f;
+            if (wide_scales) scale *= slot % 3 == 1 ? 65536.0f : slot % 3 == 2 ? 1.0f / 65536.0f : 1.0f;
             if (f.scale_kind == ScaleKind::kFp32) {
               std::memcpy(scales + 4 * g, &scale, 4);
             } else {
@@ -568,6 +575,94 @@ void release(DeviceProblem& d) {
   cudaFree(d.d_workspace);
 }
 
+// ---------------------------------------------------------------- FP8 dequantization, exhaustively
+// Every e4m3 code times scales on both sides of the loader's bit-path limit, through both of its
+// conversion paths: for every scale bit_path_scale accepts, the two paths must give identical bits
+// (NaN codes aside, which the bit path documents as ±480 · scale), and the FP32 path must match the
+// host's rounding of the exact product.
+using ProbeLoader = cuda::TileLoader<FormatId::kDsv32, 32, 128>;
+
+__global__ void dequantize_probe_kernel(const float* scales, uint16_t* bit_path, uint16_t* fp32_path,
+                                        int* accepted) {
+  const float scale = scales[blockIdx.x];
+  const int t = threadIdx.x;  // codes 16 t .. 16 t + 15
+  uint32_t words[4];
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t c = 16 * t + 4 * w;
+    words[w] = c | (c + 1) << 8 | (c + 2) << 16 | (c + 3) << 24;
+  }
+  const uint4 fp8 = make_uint4(words[0], words[1], words[2], words[3]);
+  uint16_t* const out_bits = bit_path + blockIdx.x * 256 + 16 * t;
+  uint16_t* const out_fp32 = fp32_path + blockIdx.x * 256 + 16 * t;
+  auto store_bits = [&](int dim, uint4 v) { *reinterpret_cast<uint4*>(out_bits + dim) = v; };
+  auto store_fp32 = [&](int dim, uint4 v) { *reinterpret_cast<uint4*>(out_fp32 + dim) = v; };
+  ProbeLoader::dequantize_fp8_unit<true>(fp8, scale, 0, store_bits);
+  ProbeLoader::dequantize_fp8_unit<false>(fp8, scale, 0, store_fp32);
+  if (t == 0) accepted[blockIdx.x] = ProbeLoader::bit_path_scale(scale) ? 1 : 0;
+}
+
+void check_dequantization() {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> scales;
+  for (int e = -126; e <= 7; ++e) scales.push_back(std::ldexp(1.0f, e));  // the bit path's range
+  for (float s : {0.0f, -0.0f, -0.125f, -128.0f}) scales.push_back(s);    // also on it
+  for (float s : {256.0f, 65536.0f, 0x1p100f, 3.0f, 0.75f, -3.0f, 0x1p-130f, nan, inf, -inf}) scales.push_back(s);
+  const int n = static_cast<int>(scales.size());
+  float* d_scales;
+  uint16_t *d_bits, *d_fp32;
+  int* d_accepted;
+  CHECK_CUDA(cudaMalloc(&d_scales, n * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&d_bits, n * 256 * sizeof(uint16_t)));
+  CHECK_CUDA(cudaMalloc(&d_fp32, n * 256 * sizeof(uint16_t)));
+  CHECK_CUDA(cudaMalloc(&d_accepted, n * sizeof(int)));
+  CHECK_CUDA(cudaMemcpy(d_scales, scales.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  dequantize_probe_kernel<<<n, 16>>>(d_scales, d_bits, d_fp32, d_accepted);
+  CHECK_CUDA(cudaGetLastError());
+  std::vector<uint16_t> bits(n * 256), fp32(n * 256);
+  std::vector<int> accepted(n);
+  CHECK_CUDA(cudaMemcpy(bits.data(), d_bits, bits.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(fp32.data(), d_fp32, fp32.size() * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(accepted.data(), d_accepted, n * sizeof(int), cudaMemcpyDeviceToHost));
+  cudaFree(d_scales);
+  cudaFree(d_bits);
+  cudaFree(d_fp32);
+  cudaFree(d_accepted);
+  int mismatches = 0, bit_path_scales = 0;
+  for (int i = 0; i < n; ++i) {
+    const float s = scales[i];
+    int exponent = 0;
+    const bool power_of_two = s == 0.0f || (std::isnormal(s) && std::fabs(std::frexp(s, &exponent)) == 0.5f);
+    const bool expect_accepted = power_of_two && std::fabs(s) <= 128.0f;
+    bit_path_scales += expect_accepted;
+    if ((accepted[i] != 0) != expect_accepted) {
+      std::printf("dequantization: scale %g classified %d\n", s, accepted[i]);
+      ++mismatches;
+    }
+    for (int c = 0; c < 256; ++c) {
+      const bool nan_code = (c & 0x7f) == 0x7f;
+      const uint16_t fp32_expected = float_to_bf16(fp8_e4m3_to_float(static_cast<uint8_t>(c)) * s);
+      const uint16_t got_fp32 = fp32[i * 256 + c], got_bits = bits[i * 256 + c];
+      const bool fp32_ok = std::isnan(bf16_to_float(fp32_expected)) ? std::isnan(bf16_to_float(got_fp32))
+                                                                     : got_fp32 == fp32_expected;
+      bool bits_ok = true;
+      if (expect_accepted) {
+        bits_ok = nan_code ? got_bits == float_to_bf16((c & 0x80 ? -480.0f : 480.0f) * s) : got_bits == got_fp32;
+      }
+      if (!fp32_ok || !bits_ok) {
+        if (mismatches < 10) {
+          std::printf("dequantization: code 0x%02x scale %g: fp32 path %04x (want %04x), bit path %04x\n", c, s,
+                      got_fp32, fp32_expected, got_bits);
+        }
+        ++mismatches;
+      }
+    }
+  }
+  std::printf("dequantization: 256 codes x %d scales (%d on the bit path): %s\n", n, bit_path_scales,
+              mismatches == 0 ? "PASS" : "FAIL");
+  g_failed |= mismatches != 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -590,6 +685,34 @@ int main(int argc, char** argv) {
     run_case(d, g_hopper_device ? on_hopper(prefill) : prefill, {0}, 0);
     return g_failed ? 1 : 0;
   }
+  // --headline: only the headline shapes on the Hopper family, each checked and timed (a quick
+  // performance comparison between builds).
+  if (mode == "--headline") {
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
+    const Fp8Table fp8;
+    const FormatTraits& f = format_traits(FormatId::kDsv32);
+    HostCache cache = build_cache(f, 4096, 64, 656, 64 * 656, 1, fp8);
+    Problem pr{"dsv3_2 T=128 H=128 k=2048", FormatId::kDsv32, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 14);
+    run_case(d, on_hopper(decode_plan(64, 2048, 1)), {0, 37, 127}, 15);
+    run_case(d, on_hopper(Plan{2, 64}), {0, 37, 127}, 15);
+    release(d);
+    Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+    DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
+    run_case(d1, on_hopper(decode_plan(64, 2048, 32)), {0}, 15);
+    release(d1);
+    Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
+    DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
+    run_case(dp, on_hopper(Plan{2, 64}), {0, 4095}, 5);
+    release(dp);
+    for (const Row& r : g_rows) {
+      std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
+                  r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
+    }
+    return g_failed ? 1 : 0;
+  }
   const bool quick = mode == "--quick" || sanitize;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -604,6 +727,7 @@ int main(int argc, char** argv) {
   std::printf("\n");
   const Fp8Table fp8;
   const int reps = quick ? 0 : 15;
+  check_dequantization();
 
   // ---- dsv3_2: the headline shape, 262144-token pool (172 MB), page 64 ----
   {
@@ -678,6 +802,23 @@ int main(int argc, char** argv) {
     cudaFree(cache.device);
   }
 
+  // ---- dsv3_2 and dsv4 with scales on both sides of the loader's bit-path limit (see build_cache) ----
+  if (!sanitize) {
+    for (FormatId id : {FormatId::kDsv32, FormatId::kDsv4}) {
+      const FormatTraits& f = format_traits(id);
+      const bool dsv4 = id == FormatId::kDsv4;
+      HostCache cache = build_cache(f, 64, 64, dsv4 ? 576 : 656, 64 * (dsv4 ? 584 : 656), 19, fp8, true);
+      Problem pr{dsv4 ? "dsv4 T=4 H=64 k=512 wide scales" : "dsv3_2 T=4 H=64 k=512 wide scales", id, 4, 64, 512, 0,
+                 0.0417f, false, false};
+      DeviceProblem d = make_problem(pr, &cache, nullptr, 91);
+      run_case(d, decode_plan(64, 512, 2), all_tokens(4), 0);
+      run_case(d, Plan{2, 16}, all_tokens(4), 0);
+      run_case(d, on_hopper(decode_plan(64, 512, 2)), all_tokens(4), 0);
+      run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
+      release(d);
+      cudaFree(cache.device);
+    }
+  }
   // ---- glm_nsa: arbitrary FP32 scales, 2-D pages with a gap ----
   if (!sanitize) {
     const FormatTraits& f = format_traits(FormatId::kGlmNsa);
