@@ -668,37 +668,27 @@ void check_dequantization() {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   const bool sanitize = mode == "--sanitize";
-  // --profile: only the headline shapes, once each (for ncu: T=128 H=128 decode with one split, then
-  // prefill, on the Hopper family when available, else the portable one).
-  if (mode == "--profile") {
-    cudaDeviceProp prop;
-    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-    g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
+  // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
+  // the Hopper family when available, else the portable one). --headline: the headline shapes on the
+  // Hopper family, each checked and timed (a quick performance comparison between builds).
+  if (mode == "--profile" || mode == "--headline") {
+    const bool profile = mode == "--profile";
     const Fp8Table fp8;
-    const FormatTraits& f = format_traits(FormatId::kDsv32);
-    HostCache cache = build_cache(f, 4096, 64, 656, 64 * 656, 1, fp8);
+    HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
     Problem pr{"dsv3_2 T=128 H=128 k=2048", FormatId::kDsv32, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
     DeviceProblem d = make_problem(pr, &cache, nullptr, 14);
-    const Plan decode = decode_plan(64, 2048, 1);
-    const Plan prefill = Plan{2, 64};
-    run_case(d, g_hopper_device ? on_hopper(decode) : decode, {0}, 0);
-    run_case(d, g_hopper_device ? on_hopper(prefill) : prefill, {0}, 0);
-    return g_failed ? 1 : 0;
-  }
-  // --headline: only the headline shapes on the Hopper family, each checked and timed (a quick
-  // performance comparison between builds).
-  if (mode == "--headline") {
-    cudaDeviceProp prop;
-    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-    g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
-    const Fp8Table fp8;
-    const FormatTraits& f = format_traits(FormatId::kDsv32);
-    HostCache cache = build_cache(f, 4096, 64, 656, 64 * 656, 1, fp8);
-    Problem pr{"dsv3_2 T=128 H=128 k=2048", FormatId::kDsv32, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
-    DeviceProblem d = make_problem(pr, &cache, nullptr, 14);
-    run_case(d, on_hopper(decode_plan(64, 2048, 1)), {0, 37, 127}, 15);
-    run_case(d, on_hopper(Plan{2, 64}), {0, 37, 127}, 15);
+    for (const Plan& plan : {decode_plan(64, 2048, 1), Plan{2, 64}}) {
+      if (profile) {
+        run_case(d, g_hopper_device ? on_hopper(plan) : plan, {0}, 0);
+      } else {
+        run_case(d, on_hopper(plan), {0, 37, 127}, 15);
+      }
+    }
     release(d);
+    if (profile) return g_failed ? 1 : 0;
     Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     run_case(d1, on_hopper(decode_plan(64, 2048, 32)), {0}, 15);
@@ -714,11 +704,8 @@ int main(int argc, char** argv) {
     return g_failed ? 1 : 0;
   }
   const bool quick = mode == "--quick" || sanitize;
-  cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s (sm_%d%d, %d SMs, L2 %d MB)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
               prop.l2CacheSize >> 20);
-  g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
   std::printf("hopper family: %s\n", g_hopper_device ? "yes" : "no");
   std::printf("kernels:");
   for (auto* k = portable::kernels_begin(); k != portable::kernels_end(); ++k) {
