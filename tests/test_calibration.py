@@ -259,3 +259,29 @@ def test_step_profile_summary_reads_the_measured_call(tmp_path, capsys):
     # attention: (10 + 12) µs over 2 steps; all kernels: (22 + 2 + 0.5) / 2 = 12.25 µs per step.
     assert [float(line.split()[-1]) for line in text.splitlines() if line.startswith("attention")] == [11.0]
     assert float(text.splitlines()[-1].split()[-1]) == pytest.approx(12.25, abs=0.051)
+
+
+def test_bench_baseline_in_chunks_matches_the_whole_baseline():
+    """benchmarks/bench.py: the frozen baseline applied over sequential token chunks (used where the whole
+    batch does not fit in device memory) gives every token the whole-batch baseline's result."""
+    import importlib.util
+
+    import numpy as np
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench.py")
+    spec = importlib.util.spec_from_file_location("bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = np.random.default_rng(3)
+    fmt = jsm.get_format("dsv3_2")
+    kv = jnp.asarray(rng.standard_normal((4 * 16, fmt.d_qk)), jnp.float32)
+    cache = jsm.quantize_kv(kv, fmt, page_size=16)
+    view = bench.baseline_view(cache, "dsv3_2", 16)
+    q = jnp.asarray(rng.standard_normal((8, 4, fmt.d_qk)), jnp.bfloat16)
+    indices = jnp.asarray(rng.integers(-1, 64, (8, 12)), jnp.int32)
+    whole = bench.baseline_attention(q, view, indices, 0.05, "dsv3_2")
+    chunked = jax.jit(lambda q, v, i: bench.baseline_in_chunks(q, v, i, 0.05, "dsv3_2", 2))(q, view, indices)
+    assert chunked.shape == whole.shape
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="chunks of 3"):
+        bench.baseline_in_chunks(q, view, indices, 0.05, "dsv3_2", 3)
