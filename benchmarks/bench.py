@@ -6,8 +6,9 @@ over a frozen pure-JAX gather + einsum baseline measured in the same run.
 
 Method: one jitted function runs the op over ``--steps`` stacked index sets with ``lax.scan`` (unrolled,
 so the loop adds no host round trip per step; every output is consumed); a sample queues four such
-calls back to back and waits for the last with ``block_until_ready`` (dispatch is asynchronous, so the
-host's per-call overhead overlaps the device work and is not counted), divided by the step count;
+calls back to back (``jax_sparse_mla._measure.CALLS_PER_SAMPLE``) and waits for the last with
+``block_until_ready`` (dispatch is asynchronous, so the host's per-call overhead overlaps the device
+work and is not counted), divided by the step count;
 the median of ``--repeats`` samples after a warm-up is reported. The cache is several times the
 L2 (>= 170 MB) and every step uses a different random index set. Before timing, each case's first rows
 are checked against the C++ CPU kernel with the SPEC §4 accuracy contract.
@@ -272,10 +273,11 @@ def write_results(rows, device):
         json.dump({"device": device, "steps": FLAGS.steps, "repeats": FLAGS.repeats,
                    "pool_bytes": FLAGS.pool_bytes, "rows": rows}, f, indent=1)
     step_counts = sorted({r.get("steps", FLAGS.steps) for r in rows}) or [FLAGS.steps]
+    from jax_sparse_mla._measure import CALLS_PER_SAMPLE
+
     lines = [f"Device: {device}. Median device time per call (lax.scan over "
-             f"{' or '.join(map(str, step_counts))} index sets, 4 calls queued per sample, {FLAGS.repeats} "
-             f"samples), topk={TOPK}, "
-             f"cache {FLAGS.pool_bytes / 1e6:.0f} MB, random indices.", "",
+             f"{' or '.join(map(str, step_counts))} index sets, {CALLS_PER_SAMPLE} calls queued per sample, "
+             f"{FLAGS.repeats} samples), topk={TOPK}, cache {FLAGS.pool_bytes / 1e6:.0f} MB, random indices.", "",
              "| format | kernel | T | H | µs | TFLOP/s | GB/s | baseline µs | speed-up | check |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -28,10 +28,11 @@ _REPEATS = 7
 _POOL_BYTES = 192 * 1024 * 1024
 
 
-_CALLS_PER_SAMPLE = 4
+#: Calls queued back to back per timing sample (see median_step_seconds).
+CALLS_PER_SAMPLE = 4
 
 
-def median_step_seconds(run, args, steps: int, repeats: int, calls: int = _CALLS_PER_SAMPLE):
+def median_step_seconds(run, args, steps: int, repeats: int, calls: int = CALLS_PER_SAMPLE):
     """(median, min, max) seconds per scan step of the jitted ``run(*args)`` (a ``lax.scan`` of
     ``steps`` steps).
 

@@ -180,14 +180,15 @@ def test_kernel_configs_match_cuda_config():
     assert compiled["variants"] == cuda_config.VARIANTS
     assert compiled["min_compute_capability"] == cuda_config.MIN_COMPUTE_CAPABILITY
     keys = {f.id: f.key for f in jsm.FORMATS.values()}
-    table = {(keys[k["kv_format"]], k["heads_per_block"]): (k["threads"], k["candidate_tile"], k["shared_bytes"])
-             for k in compiled["kernels"]}
-    assert table == {k: tuple(v) for k, v in cuda_config.KERNELS.items()}
+
+    def table(kernels):
+        return {(keys[k["kv_format"]], k["heads_per_block"]): (k["threads"], k["candidate_tile"], k["shared_bytes"])
+                for k in kernels}
+
+    assert table(compiled["kernels"]) == {k: tuple(v) for k, v in cuda_config.KERNELS.items()}
     hopper = compiled["hopper"]
     assert hopper["compute_capability"] == cuda_config.HOPPER_COMPUTE_CAPABILITY
-    table = {(keys[k["kv_format"]], k["heads_per_block"]): (k["threads"], k["candidate_tile"], k["shared_bytes"])
-             for k in hopper["kernels"]}
-    assert table == {k: tuple(v) for k, v in cuda_config.HOPPER_KERNELS.items()}
+    assert table(hopper["kernels"]) == {k: tuple(v) for k, v in cuda_config.HOPPER_KERNELS.items()}
 
 
 def _problem_and_plan(rng, **plan_changes):
