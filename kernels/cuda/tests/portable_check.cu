@@ -562,6 +562,14 @@ Plan decode_plan(int hpb, int candidates, int splits) {
   return Plan{1, hpb, (candidates + size - 1) / size, size};
 }
 
+// A 64-head-tile decode plan and the prefill plan, each on the portable and the Hopper family.
+void run_on_both_families(DeviceProblem& d, const Plan& decode, const std::vector<int64_t>& tokens) {
+  for (const Plan& plan : {decode, Plan{2, 64}}) {
+    run_case(d, plan, tokens, 0);
+    run_case(d, on_hopper(plan), tokens, 0);
+  }
+}
+
 void release(DeviceProblem& d) {
   for (auto* p : d.d_indices) cudaFree(p);
   for (auto* p : d.d_extra_indices) cudaFree(p);
@@ -835,10 +843,7 @@ int main(int argc, char** argv) {
     HostCache extra = build_cache(f, 100, 2, 576, 2 * 584, 5, fp8);
     Problem pr{"dsv4 T=5 H=64 k=512+128 len", FormatId::kDsv4, 5, 64, 512, 128, 0.0442f, true, true, 4};
     DeviceProblem d = make_problem(pr, &cache, &extra, 41);
-    run_case(d, decode_plan(64, 640, 3), all_tokens(5), 0);
-    run_case(d, Plan{2, 64}, all_tokens(5), 0);
-    run_case(d, on_hopper(decode_plan(64, 640, 3)), all_tokens(5), 0);
-    run_case(d, on_hopper(Plan{2, 64}), all_tokens(5), 0);
+    run_on_both_families(d, decode_plan(64, 640, 3), all_tokens(5));
     run_case(d, Plan{2, 16}, all_tokens(5), 0);
     release(d);
     cudaFree(cache.device);
@@ -850,10 +855,7 @@ int main(int argc, char** argv) {
     HostCache cache = build_cache(f, 300, 3, 512, 3 * 528 + 16, 6, fp8);
     Problem pr{"dsv4_1 T=4 H=128 k=700", FormatId::kDsv41, 4, 128, 700, 0, 0.0442f, false, true};
     DeviceProblem d = make_problem(pr, &cache, nullptr, 51);
-    run_case(d, decode_plan(64, 700, 5), all_tokens(4), 0);
-    run_case(d, Plan{2, 64}, all_tokens(4), 0);
-    run_case(d, on_hopper(decode_plan(64, 700, 5)), all_tokens(4), 0);
-    run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
+    run_on_both_families(d, decode_plan(64, 700, 5), all_tokens(4));
     release(d);
     cudaFree(cache.device);
   }
@@ -879,10 +881,7 @@ int main(int argc, char** argv) {
     HostCache cache = build_cache(f, 20000, 1, 1152, 1152, 8, fp8);
     Problem pr{"bf16_576 T=4 H=64 k=256", FormatId::kBf16_576, 4, 64, 256, 0, 0.0417f, false, true};
     DeviceProblem d = make_problem(pr, &cache, nullptr, 71);
-    run_case(d, decode_plan(64, 256, 2), all_tokens(4), 0);
-    run_case(d, Plan{2, 64}, all_tokens(4), 0);
-    run_case(d, on_hopper(decode_plan(64, 256, 2)), all_tokens(4), 0);
-    run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
+    run_on_both_families(d, decode_plan(64, 256, 2), all_tokens(4));
     release(d);
     cudaFree(cache.device);
     if (!quick) {
