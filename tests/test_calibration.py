@@ -236,14 +236,20 @@ def test_step_timing_queues_calls_and_divides_by_all_steps(monkeypatch):
     assert median == fastest == slowest == pytest.approx(1.0 / (4 * 5))  # one tick per 20 steps
 
 
-def test_step_profile_summary_reads_the_measured_call(tmp_path, capsys):
-    """benchmarks/step_profile.py --summarize: the last of two identical kernel sequences is the call."""
+def _load_benchmark_script(name):
+    """Imports benchmarks/<name>.py (a script directory, not a package)."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "step_profile.py")
-    spec = importlib.util.spec_from_file_location("step_profile", path)
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_step_profile_summary_reads_the_measured_call(tmp_path, capsys):
+    """benchmarks/step_profile.py --summarize: the last of two identical kernel sequences is the call."""
+    module = _load_benchmark_script("step_profile")
     header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
     setup = [("setup_fusion", "5,000")]
     call = [("attention", "10,000"), ("reduce", "1,000"), ("attention", "12,000"), ("reduce", "1,000"),
@@ -264,14 +270,9 @@ def test_step_profile_summary_reads_the_measured_call(tmp_path, capsys):
 def test_bench_baseline_in_chunks_matches_the_whole_baseline():
     """benchmarks/bench.py: the frozen baseline applied over sequential token chunks (used where the whole
     batch does not fit in device memory) gives every token the whole-batch baseline's result."""
-    import importlib.util
-
     import numpy as np
 
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench.py")
-    spec = importlib.util.spec_from_file_location("bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_benchmark_script("bench")
     rng = np.random.default_rng(3)
     fmt = jsm.get_format("dsv3_2")
     kv = jnp.asarray(rng.standard_normal((4 * 16, fmt.d_qk)), jnp.float32)
