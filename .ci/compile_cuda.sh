@@ -14,7 +14,7 @@ family_sources=(
   kernels/cuda/portable/instances/dsv3_2_h64.cu  # portable family (mma.sync)
   kernels/cuda/portable/instances/dsv4_h16.cu
   kernels/cuda/portable/instances/glm_nsa_h64.cu # its exact arbitrary-FP32-scale path
-  kernels/cuda/hopper/instances/dsv3_2.cu       # Hopper family (wgmma; an empty body off sm_90a)
+  kernels/cuda/hopper/instances/dsv3_2_h64.cu   # Hopper family (wgmma; a trap off sm_90a)
   kernels/cuda/combine.cu                         # split-K combine
 )
 for arch in 80 120a; do

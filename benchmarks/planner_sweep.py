@@ -29,22 +29,23 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     os.environ.setdefault("JAX_SPARSE_MLA_CACHE_DIR", tempfile.mkdtemp())
     import jax_sparse_mla as jsm
-    from jax_sparse_mla import _measure, calibration, cuda_config, planner
+    from jax_sparse_mla import calibration, kernel_tables, planner
+    from jax_sparse_mla.timing import RandomCache
 
     device = planner.device_info("cuda")
 
     def progress(done, total, label):
         print(f"  calibrate [{done}/{total}] {label}", flush=True)
 
-    # Calibration shapes (T in _measure.CALIBRATION_TOKENS, H in 16/64/128) differ from the sweep's T.
+    # Calibration shapes (T in calibration.CALIBRATION_TOKENS, H in 16/64/128) differ from the sweep's T.
     constants = calibration.calibrate(formats=(FLAGS.kv_format,), topks=(FLAGS.topk,), force=True,
                                       progress=progress)
     print("calibrated:", json.dumps(constants), flush=True)
-    bench = _measure._Bench(FLAGS.kv_format, seed=1)
+    cache = RandomCache(FLAGS.kv_format, seed=1)
     rows = []
     for heads in map(int, FLAGS.heads):
         for tokens in map(int, FLAGS.tokens):
-            tiles = [t for t in cuda_config.HEAD_TILES[FLAGS.kv_format] if t <= max(heads, 16)]
+            tiles = [t for t in kernel_tables.HEAD_TILES[FLAGS.kv_format] if t <= max(heads, 16)]
             choices = []
             for tile in tiles:
                 choices.append(("prefill", tile, 1))
@@ -54,7 +55,7 @@ def main(argv):
             timings = {key: [] for key in choices}
             for _ in range(FLAGS.passes):
                 for key in choices:
-                    timings[key].append(bench.time(tokens, heads, FLAGS.topk, key[0], key[1], key[2]))
+                    timings[key].append(calibration.time_choice(cache, tokens, heads, FLAGS.topk, key[0], key[1], key[2]))
             measured = {key: sum(v) / len(v) for key, v in timings.items()}
             best_key = min(measured, key=measured.get)
             shape = (tokens, heads, jsm.get_format(FLAGS.kv_format).d_qk)
@@ -63,7 +64,8 @@ def main(argv):
                 p = jsm.plan(shape, FLAGS.kv_format, FLAGS.topk, platform="cuda", cost_model=model)
                 key = (p.variant, p.heads_per_block, p.num_splits)
                 if key not in measured:
-                    measured[key] = bench.time(tokens, heads, FLAGS.topk, p.variant, p.heads_per_block, p.num_splits)
+                    measured[key] = calibration.time_choice(cache, tokens, heads, FLAGS.topk, p.variant, p.heads_per_block,
+                                                           p.num_splits)
                 picks[label] = (key, measured[key])
             row = {"T": tokens, "H": heads, "best": list(best_key), "best_us": measured[best_key],
                    "pick": list(picks["calibrated"][0]), "pick_us": picks["calibrated"][1],

@@ -1,26 +1,18 @@
 // Buffer/attribute decoding and checks shared by the CPU and CUDA handlers. Both targets bind exactly
-// the same operands and attributes (the attribute contract of the `_v1` target names).
+// the same operands and attributes (the contract of the versioned target name in target_name.h).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <utility>
 
+#include "kernels/common/contract.h"
 #include "kernels/common/params.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jsmla::ffi_glue {
 
 namespace ffi = xla::ffi;
-
-// Decisions baked into the call by the planner (jax_sparse_mla/planner.py).
-struct PlanAttrs {
-  int32_t variant = 0;          // 0 reference (CPU), 1 decode (split-K + combine), 2 prefill
-  int32_t num_splits = 1;       // decode: candidate-list splits per token
-  int32_t split_size = 0;       // decode: candidates per split (multiple of the candidate tile)
-  int32_t heads_per_block = 0;  // head tile of the CUDA kernels
-  int32_t min_sm_count = 0;     // the plan assumed at least this many SMs (0 = no assumption)
-};
 
 struct CacheGeometry {
   int64_t page_size, num_pages, page_stride, row_stride;
@@ -76,16 +68,17 @@ inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const Cach
   const FormatTraits& f = kFormatTable[kv_format];
   *format = &f;
   const auto q_dims = q.dimensions();
-  if (q_dims.size() != 3 || q_dims[2] != f.d_qk || q_dims[1] < 1 || q_dims[1] > 128) {
-    return ffi::Error::InvalidArgument("q: expected [T, H, " + std::to_string(f.d_qk) + "] with 1 <= H <= 128, got " +
-                                       dims_text(q_dims));
+  if (q_dims.size() != 3 || q_dims[2] != f.d_qk || q_dims[1] < kMinHeads || q_dims[1] > kMaxHeads) {
+    return ffi::Error::InvalidArgument("q: expected [T, H, " + std::to_string(f.d_qk) + "] with " +
+                                       std::to_string(kMinHeads) + " <= H <= " + std::to_string(kMaxHeads) +
+                                       ", got " + dims_text(q_dims));
   }
   const int64_t num_tokens = q_dims[0];
   const int64_t num_heads = q_dims[1];
   const auto index_dims = indices.dimensions();
-  if (index_dims.size() != 2 || index_dims[0] != num_tokens || index_dims[1] < 1) {
-    return ffi::Error::InvalidArgument("indices: expected [" + std::to_string(num_tokens) + ", topk >= 1], got " +
-                                       dims_text(index_dims));
+  if (index_dims.size() != 2 || index_dims[0] != num_tokens || index_dims[1] < kMinTopk) {
+    return ffi::Error::InvalidArgument("indices: expected [" + std::to_string(num_tokens) + ", topk >= " +
+                                       std::to_string(kMinTopk) + "], got " + dims_text(index_dims));
   }
   const auto extra_dims = extra_indices.dimensions();
   if (extra_dims.size() != 2 || extra_dims[0] != num_tokens) {
@@ -172,8 +165,7 @@ auto bind_attention(Binding binding) {
       .template Attr<int32_t>("variant")
       .template Attr<int32_t>("num_splits")
       .template Attr<int32_t>("split_size")
-      .template Attr<int32_t>("heads_per_block")
-      .template Attr<int32_t>("min_sm_count");
+      .template Attr<int32_t>("heads_per_block");
 }
 
 }  // namespace jsmla::ffi_glue

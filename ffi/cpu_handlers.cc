@@ -1,7 +1,8 @@
-// CPU XLA FFI handler: decodes the call and runs the reference C++ kernel.
+// CPU XLA FFI handler: decodes the call and runs the C++ CPU kernel.
 #include "ffi/cpu_handlers.h"
 
 #include "ffi/attention_args.h"
+#include "kernels/common/contract.h"
 #include "kernels/cpu/sparse_mla_cpu.h"
 
 namespace jsmla::ffi_glue {
@@ -16,9 +17,10 @@ ffi::Error SparseMlaCpu(ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cache, ffi::
                         int64_t page_size, int64_t num_pages, int64_t page_stride, int64_t row_stride,
                         int64_t extra_page_size, int64_t extra_num_pages, int64_t extra_page_stride,
                         int64_t extra_row_stride, int32_t variant, int32_t /*num_splits*/, int32_t /*split_size*/,
-                        int32_t /*heads_per_block*/, int32_t /*min_sm_count*/) {
-  if (variant != 0) {
-    return ffi::Error::InvalidArgument("variant: the CPU target runs only the reference variant (0), got " +
+                        int32_t /*heads_per_block*/) {
+  if (variant != static_cast<int32_t>(Variant::kReference)) {
+    return ffi::Error::InvalidArgument("variant: the CPU target runs only the reference variant (" +
+                                       std::to_string(static_cast<int32_t>(Variant::kReference)) + "), got " +
                                        std::to_string(variant));
   }
   const FormatTraits* format = nullptr;

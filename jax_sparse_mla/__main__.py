@@ -101,7 +101,7 @@ def _progress_bar(done: int, total: int, label: str) -> None:
 def calibrate() -> int:
     import json
 
-    from jax_sparse_mla import calibration
+    from jax_sparse_mla import calibration, calibration_store
 
     try:
         constants = calibration.calibrate(formats=FLAGS.formats, heads=[int(h) for h in FLAGS.heads],
@@ -110,7 +110,7 @@ def calibrate() -> int:
     except RuntimeError as error:
         print(f"calibrate: {error}", file=sys.stderr)
         return 1
-    print(f"calibration file: {calibration.calibration_path()}")
+    print(f"calibration file: {calibration_store.calibration_path()}")
     print(json.dumps(constants, indent=1, sort_keys=True))
     return 0
 

@@ -16,10 +16,11 @@ import numpy as np
 from . import _cpu_ext
 from .formats import CacheLayout
 
-#: The versioned FFI target (a changed attribute contract gets a new name).
-TARGET = "jax_sparse_mla_fwd_v1"
+_CPU_REGISTRATIONS = _cpu_ext.registrations()
+#: The versioned FFI target (``ffi/target_name.h``; a changed attribute contract gets a new name).
+(TARGET,) = _CPU_REGISTRATIONS
 
-for _name, _capsule in _cpu_ext.registrations().items():
+for _name, _capsule in _CPU_REGISTRATIONS.items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 _CUDA_IMPORT_ERROR: Optional[ImportError] = None
@@ -54,9 +55,10 @@ def cpu_format_table() -> list:
     return _cpu_ext.format_table()
 
 
-def cuda_kernel_configs() -> Optional[dict]:
-    """The CUDA family's constants as compiled, or None without the CUDA extension."""
-    return None if _cuda_ext is None else _cuda_ext.kernel_configs()
+def hopper_compiled() -> bool:
+    """Whether the CUDA build carries the Hopper family's sm_90a code; without the CUDA extension
+    (planning for export from a host without a GPU), the default architectures' answer: True."""
+    return True if _cuda_ext is None else bool(_cuda_ext.hopper_compiled())
 
 
 def cuda_handler_invocations() -> int:

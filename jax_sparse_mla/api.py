@@ -138,9 +138,7 @@ def _batching_rule_op(problem):
             if "extra_indices" in folded:
                 folded["extra_topk_length"] = jnp.where(
                     row_valid, folded.get("extra_topk_length", problem.extra_topk), 0)
-        inner = dataclasses.replace(problem, lead_shape=(rows,), num_tokens=rows,
-                                    has_topk_length="topk_length" in folded,
-                                    has_extra_topk_length="extra_topk_length" in folded)
+        inner = dataclasses.replace(problem, lead_shape=(rows,), num_tokens=rows)
         out, lse = _batching_rule_op(inner)(folded)
         if row_valid is not None:
             out = jnp.where(row_valid[:, None, None], out, jnp.zeros((), out.dtype))

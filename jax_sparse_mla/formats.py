@@ -94,35 +94,56 @@ class KVFormat:
         return self.key
 
 
-def _fmt(key, id, layout, scale, d_qk, d_v, bpt, fp8, bf16, group, data, soff, srow, b16off, maxc, pow2, dual,
-         description):
-    return KVFormat(key, id, Layout(layout), ScaleKind(scale), d_qk, d_v, bpt, fp8, bf16, group,
-                    fp8 // group if group else 0, data, soff, srow, b16off, maxc, pow2, dual, description)
+def _format(*, fp8_dim: int, group_size: int, **fields) -> KVFormat:
+    """A :class:`KVFormat` from its fields; ``num_groups`` follows from the FP8 lanes and the group size."""
+    return KVFormat(fp8_dim=fp8_dim, group_size=group_size, num_groups=fp8_dim // group_size if group_size else 0,
+                    **fields)
 
 
-_I, _F, _B = Layout.INLINE, Layout.FOOTER, Layout.BF16
-_N, _S32, _E8 = ScaleKind.NONE, ScaleKind.FP32, ScaleKind.UE8M0
-
-#: All formats by key (SPEC §3).
+#: All formats by key (the byte layouts of docs/formats.md).
 FORMATS: dict[str, KVFormat] = {
     f.key: f
     for f in (
-        _fmt("dsv3_2", 0, _I, _S32, 576, 512, 656, 512, 64, 128, 656, 512, 0, 528, 0, True, False,
-             "DeepSeek-V3.2: FP8 nope(512) + 4 power-of-two FP32 scales + BF16 rope(64), inline"),
-        _fmt("glm_nsa", 1, _I, _S32, 576, 512, 656, 512, 64, 128, 656, 512, 0, 528, 0, False, False,
-             "GLM-5 NSA: FP8 nope(512) + 4 FP32 scales + BF16 rope(64), inline"),
-        _fmt("glm53_nope", 2, _I, _S32, 512, 512, 528, 512, 0, 128, 528, 512, 0, 528, 0, False, False,
-             "GLM-5.3 no-RoPE: FP8(512) + 4 FP32 scales, inline (wider legacy rows accepted)"),
-        _fmt("dsv4", 3, _F, _E8, 512, 512, 584, 448, 64, 64, 576, 0, 8, 448, 0, True, True,
-             "DeepSeek-V4: FP8 nope(448) + BF16 rope(64); UE8M0 per 64 in a page footer"),
-        _fmt("dsv4_1", 4, _F, _E8, 512, 512, 528, 512, 0, 32, 512, 0, 16, 512, 0, True, True,
-             "DeepSeek-V4.1: FP8(512); UE8M0 per 32 in a page footer"),
-        _fmt("dots3_swa", 5, _F, _E8, 1088, 1024, 1160, 1024, 64, 128, 1152, 0, 8, 1024, 513, True, False,
-             "DOTS3 sliding-window MLA: FP8 nope(1024) + BF16 rope(64); UE8M0 per 128 in a page footer"),
-        _fmt("bf16_576", 6, _B, _N, 576, 512, 1152, 0, 576, 0, 1152, 0, 0, 0, 0, False, False,
-             "unquantized BF16 rows, DeepSeek shape (V = first 512 lanes)"),
-        _fmt("bf16_512", 7, _B, _N, 512, 512, 1024, 0, 512, 0, 1024, 0, 0, 0, 0, False, False,
-             "unquantized BF16 rows, no-rope shape"),
+        _format(key="dsv3_2", id=0, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
+                d_qk=576, d_v=512, bytes_per_token=656, fp8_dim=512, bf16_dim=64, group_size=128,
+                data_row_bytes=656, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
+                max_candidates=0, pow2_scales=True, dual_cache=False,
+                description="DeepSeek-V3.2: FP8 nope(512) + 4 power-of-two FP32 scales + BF16 rope(64), inline"),
+        _format(key="glm_nsa", id=1, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
+                d_qk=576, d_v=512, bytes_per_token=656, fp8_dim=512, bf16_dim=64, group_size=128,
+                data_row_bytes=656, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
+                max_candidates=0, pow2_scales=False, dual_cache=False,
+                description="GLM-5 NSA: FP8 nope(512) + 4 FP32 scales + BF16 rope(64), inline"),
+        _format(key="glm53_nope", id=2, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
+                d_qk=512, d_v=512, bytes_per_token=528, fp8_dim=512, bf16_dim=0, group_size=128,
+                data_row_bytes=528, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
+                max_candidates=0, pow2_scales=False, dual_cache=False,
+                description="GLM-5.3 no-RoPE: FP8(512) + 4 FP32 scales, inline (wider legacy rows accepted)"),
+        _format(key="dsv4", id=3, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
+                d_qk=512, d_v=512, bytes_per_token=584, fp8_dim=448, bf16_dim=64, group_size=64,
+                data_row_bytes=576, scale_offset=0, scale_row_bytes=8, bf16_offset=448,
+                max_candidates=0, pow2_scales=True, dual_cache=True,
+                description="DeepSeek-V4: FP8 nope(448) + BF16 rope(64); UE8M0 per 64 in a page footer"),
+        _format(key="dsv4_1", id=4, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
+                d_qk=512, d_v=512, bytes_per_token=528, fp8_dim=512, bf16_dim=0, group_size=32,
+                data_row_bytes=512, scale_offset=0, scale_row_bytes=16, bf16_offset=512,
+                max_candidates=0, pow2_scales=True, dual_cache=True,
+                description="DeepSeek-V4.1: FP8(512); UE8M0 per 32 in a page footer"),
+        _format(key="dots3_swa", id=5, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
+                d_qk=1088, d_v=1024, bytes_per_token=1160, fp8_dim=1024, bf16_dim=64, group_size=128,
+                data_row_bytes=1152, scale_offset=0, scale_row_bytes=8, bf16_offset=1024,
+                max_candidates=513, pow2_scales=True, dual_cache=False,
+                description="DOTS3 sliding-window MLA: FP8 nope(1024) + BF16 rope(64); UE8M0 per 128 in a page footer"),
+        _format(key="bf16_576", id=6, layout=Layout.BF16, scale_kind=ScaleKind.NONE,
+                d_qk=576, d_v=512, bytes_per_token=1152, fp8_dim=0, bf16_dim=576, group_size=0,
+                data_row_bytes=1152, scale_offset=0, scale_row_bytes=0, bf16_offset=0,
+                max_candidates=0, pow2_scales=False, dual_cache=False,
+                description="unquantized BF16 rows, DeepSeek shape (V = first 512 lanes)"),
+        _format(key="bf16_512", id=7, layout=Layout.BF16, scale_kind=ScaleKind.NONE,
+                d_qk=512, d_v=512, bytes_per_token=1024, fp8_dim=0, bf16_dim=512, group_size=0,
+                data_row_bytes=1024, scale_offset=0, scale_row_bytes=0, bf16_offset=0,
+                max_candidates=0, pow2_scales=False, dual_cache=False,
+                description="unquantized BF16 rows, no-rope shape"),
     )
 }
 

@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernel_tables
 from .formats import FORMATS, CacheLayout, KVFormat, cache_layout, get_format
 
 __all__ = ["ENVELOPE", "IMPLS", "Problem", "normalize", "supported_configs", "check_supported"]
@@ -23,9 +24,9 @@ IMPLS = ("auto", "decode", "prefill", "xla")
 
 #: The one envelope table used by validation, planning and ``supported_configs()``.
 ENVELOPE = {
-    "min_heads": 1,
-    "max_heads": 128,
-    "min_topk": 1,
+    "min_heads": kernel_tables.MIN_HEADS,
+    "max_heads": kernel_tables.MAX_HEADS,
+    "min_topk": kernel_tables.MIN_TOPK,
     "platforms": {
         "cpu": {"variants": ("reference",), "archs": ()},
         "cuda": {"variants": ("decode", "prefill"), "archs": ("sm_80", "sm_90a", "sm_120a")},
@@ -46,9 +47,6 @@ class Problem:
     layout: CacheLayout
     extra_layout: Optional[CacheLayout]
     sm_scale: float
-    has_topk_length: bool
-    has_extra_topk_length: bool
-    has_sink: bool
     impl: str
     batch_invariant: bool = False
 
@@ -167,8 +165,7 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
 
     return Problem(fmt=fmt, lead_shape=lead, num_tokens=num_tokens, num_heads=num_heads, topk=int(topk),
                    extra_topk=int(extra_topk), layout=layout, extra_layout=extra_layout, sm_scale=sm_scale,
-                   has_topk_length=topk_length is not None, has_extra_topk_length=extra_topk_length is not None,
-                   has_sink=attn_sink is not None, impl=impl, batch_invariant=bool(batch_invariant))
+                   impl=impl, batch_invariant=bool(batch_invariant))
 
 
 def _page_rules(fmt: KVFormat) -> str:

@@ -23,7 +23,6 @@ enum class FormatId : int32_t {
   kBf16_576 = 6,
   kBf16_512 = 7,
 };
-inline constexpr int kNumFormats = 8;
 
 enum class Layout : int32_t {
   kInline = 0,  // each token row holds fp8 values, scales and bf16 lanes
@@ -62,7 +61,7 @@ struct FormatTraits {
 };
 
 // clang-format off
-inline constexpr FormatTraits kFormatTable[kNumFormats] = {
+inline constexpr FormatTraits kFormatTable[] = {
   //  id                   layout            scale               dqk   dv   bpt  fp8  bf16 grp ng  data  soff srow b16off maxc  pow2   dual
   {FormatId::kDsv32,     Layout::kInline, ScaleKind::kFp32,  576,  512, 656,  512, 64,  128, 4,  656,  512, 0,  528,   0,   true,  false},
   {FormatId::kGlmNsa,    Layout::kInline, ScaleKind::kFp32,  576,  512, 656,  512, 64,  128, 4,  656,  512, 0,  528,   0,   false, false},
@@ -74,6 +73,7 @@ inline constexpr FormatTraits kFormatTable[kNumFormats] = {
   {FormatId::kBf16_512,  Layout::kBf16,   ScaleKind::kNone,  512,  512, 1024, 0,   512, 0,   0,  1024, 0,   0,  0,     0,   false, false},
 };
 // clang-format on
+inline constexpr int kNumFormats = sizeof(kFormatTable) / sizeof(kFormatTable[0]);
 
 constexpr const FormatTraits& format_traits(FormatId id) { return kFormatTable[static_cast<int>(id)]; }
 
@@ -88,11 +88,13 @@ constexpr bool consistent(const FormatTraits& f) {
          (f.layout != Layout::kInline || f.scale_offset + f.num_groups * f.scale_bytes() <= f.data_row_bytes);
 }
 
-static_assert(consistent(kFormatTable[0]) && consistent(kFormatTable[1]) && consistent(kFormatTable[2]) &&
-                  consistent(kFormatTable[3]) && consistent(kFormatTable[4]) && consistent(kFormatTable[5]) &&
-                  consistent(kFormatTable[6]) && consistent(kFormatTable[7]),
-              "format table entries must be self-consistent");
-static_assert(static_cast<int>(kFormatTable[5].id) == 5 && static_cast<int>(kFormatTable[7].id) == 7,
-              "kFormatTable is indexed by FormatId");
+// Every row is self-consistent and sits at the index of its FormatId (format_traits() indexes by id).
+constexpr bool table_consistent() {
+  for (int i = 0; i < kNumFormats; ++i) {
+    if (!consistent(kFormatTable[i]) || static_cast<int>(kFormatTable[i].id) != i) return false;
+  }
+  return true;
+}
+static_assert(table_consistent(), "format table rows must be self-consistent and in FormatId order");
 
 }  // namespace jsmla

@@ -28,14 +28,12 @@
 #include "kernels/common/numeric.h"
 #include "kernels/cpu/sparse_mla_cpu.h"
 #include "kernels/cuda/combine.h"
-#include "kernels/cuda/hopper/registry.h"
 #include "kernels/cuda/load_tile.cuh"
-#include "kernels/cuda/portable/registry.h"
+#include "kernels/cuda/registry.h"
 
 namespace {
 
 using namespace jsmla;
-namespace portable = jsmla::cuda::portable;
 
 #define CHECK_CUDA(call)                                                                          \
   do {                                                                                            \
@@ -300,8 +298,8 @@ Plan on_hopper(Plan plan) {
 
 // Mirrors ffi/cuda_handlers.cu (after its checks).
 void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
-  const cuda::KernelInfo* kernel = plan.hopper ? cuda::hopper::find_kernel(d.pr.format, plan.heads_per_block)
-                                              : portable::find_kernel(d.pr.format, plan.heads_per_block);
+  const cuda::KernelInfo* kernel = cuda::find_kernel(plan.hopper ? cuda::Family::kHopper : cuda::Family::kPortable,
+                                                     d.pr.format, plan.heads_per_block);
   if (kernel == nullptr) {
     std::fprintf(stderr, "no kernel for %s hpb=%d\n", d.pr.name.c_str(), plan.heads_per_block);
     std::exit(2);
@@ -558,7 +556,7 @@ void run_case(DeviceProblem& d, const Plan& plan, const std::vector<int64_t>& to
 int round_up(int a, int b) { return (a + b - 1) / b * b; }
 
 Plan decode_plan(int hpb, int candidates, int splits) {
-  const int size = round_up((candidates + splits - 1) / splits, portable::split_granule());
+  const int size = round_up((candidates + splits - 1) / splits, cuda::kSplitGranule);
   return Plan{1, hpb, (candidates + size - 1) / size, size};
 }
 
@@ -678,7 +676,7 @@ int main(int argc, char** argv) {
   const bool sanitize = mode == "--sanitize";
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
+  g_hopper_device = prop.major * 10 + prop.minor == cuda::kHopperComputeCapability && cuda::hopper_compiled();
   // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
   // the Hopper family when available, else the portable one). --headline: the headline shapes on the
   // Hopper family, each checked and timed (a quick performance comparison between builds).
@@ -716,8 +714,9 @@ int main(int argc, char** argv) {
               prop.l2CacheSize >> 20);
   std::printf("hopper family: %s\n", g_hopper_device ? "yes" : "no");
   std::printf("kernels:");
-  for (auto* k = portable::kernels_begin(); k != portable::kernels_end(); ++k) {
-    std::printf(" [fmt%d h%d %dthr %dB]", static_cast<int>(k->format), k->heads_per_block, k->threads, k->shared_bytes);
+  for (const cuda::KernelShape& k : cuda::kKernelShapes) {
+    std::printf(" [%s fmt%d h%d %dthr %dB]", k.family == cuda::Family::kHopper ? "hopper" : "portable",
+                static_cast<int>(k.format), k.heads_per_block, k.threads, k.shared_bytes);
   }
   std::printf("\n");
   const Fp8Table fp8;

@@ -1,6 +1,6 @@
 // Tile shapes and shared-memory budget of the portable kernel family (mma.sync, BF16 compute,
-// sm_80 / sm_90a / sm_120a). jax_sparse_mla/cuda_config.py mirrors the values the planner needs;
-// _cuda_ext.kernel_configs() reports them as compiled, and a test compares the two.
+// sm_80 / sm_90a / sm_120a). Host-compilable constexpr: kernel_table.h turns it into the table the
+// planner reads through the CPU extension.
 //
 // Block = (token, head tile, split). Warps form a kHeadGroups x kDSplits grid: warp (g, c) owns
 // head rows [16g, 16g+16) of the tile, holds their Q columns of k-range c in registers (A fragments
@@ -13,7 +13,7 @@
 #pragma once
 
 #include "kernels/common/formats.h"
-#include "kernels/cuda/load_tile.cuh"
+#include "kernels/cuda/loader_geometry.h"
 
 namespace jsmla::cuda::portable {
 
@@ -30,8 +30,8 @@ struct WarpGrid {
   int d_splits;     // warps sharing one row group, each with 1/d_splits of d_qk and of d_v
 };
 
-// The instantiated head tiles of a format; {0, 0} for any other value. Keep in sync with
-// kPortableHeadTiles below and with the instance files under instances/.
+// The warp grid of a head tile; {0, 0} where the tile does not fit a format's rows (which tiles are
+// instantiated is declared once, in kernels/cuda/generate_kernels.py).
 constexpr WarpGrid warp_grid(FormatId id, int heads_per_block) {
   const bool wide = format_traits(id).d_qk > 576;
   switch (heads_per_block) {
@@ -40,13 +40,6 @@ constexpr WarpGrid warp_grid(FormatId id, int heads_per_block) {
     case 64: return wide ? WarpGrid{0, 0} : WarpGrid{4, 2};
     default: return {0, 0};
   }
-}
-
-// Head tiles per format: small (H <= 16 or ragged head counts) and large (H >= 32/64, where one
-// dequantized KV tile serves the most heads).
-inline constexpr int kNumHeadTilesPerFormat = 2;
-constexpr int head_tile_choice(FormatId id, int which) {
-  return which == 0 ? 16 : (format_traits(id).d_qk > 576 ? 32 : 64);
 }
 
 template <FormatId kFormat, int kHeadTileValue>
@@ -66,21 +59,21 @@ struct PortableConfig {
   static constexpr int kScoreTiles = kCandidateTile / 8;       // n8 tiles of S per warp
   static constexpr int kOutTiles = kDvPerWarp / 8;             // n8 tiles of O per warp
 
-  using Loader = TileLoader<kFormat, kCandidateTile, kThreads>;
-  static constexpr int kTilePitch = Loader::kTilePitch;
+  using Geometry = LoaderGeometry<kFormat, kCandidateTile, kThreads>;
+  static constexpr int kTilePitch = Geometry::kTilePitch;
 
   // Shared memory, in bytes: the BF16 KV tile (K; V is its first d_v lanes), the raw staging rows of
   // the next tile, one scale slot per thread, the partial-score exchange, and one additive score bias
   // per candidate row (0 or -inf for a masked row); for arbitrary FP32 scales, the per-row mantissa
   // factors of the tile (TileLoader::write_factors).
   static constexpr int kTileBytes = kCandidateTile * kTilePitch * 2;
-  static constexpr int kStageBytes = kCandidateTile * Loader::kStagedRowBytes;
-  static constexpr int kScaleSlotsBytes = Loader::kScaleRecordBytes > 0 ? kThreads * kScaleSlotBytes : 0;
+  static constexpr int kStageBytes = kCandidateTile * Geometry::kStagedRowBytes;
+  static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kThreads * kScaleSlotBytes : 0;
   static constexpr int kExchangeFloatsPerWarp = kScoreTiles * 4 * 32;
   static constexpr int kExchangeBytes = kDSplits > 1 ? kWarps * kExchangeFloatsPerWarp * 4 : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
-  static constexpr bool kExactScales = Loader::kExactScales;
-  static constexpr int kFactorBytes = Loader::kFactorFloats * 4;
+  static constexpr bool kExactScales = Geometry::kExactScales;
+  static constexpr int kFactorBytes = Geometry::kFactorFloats * 4;
   // m16n8k16 k-steps per scale group of K (exact scales only).
   static constexpr int kGroupKSteps = kExactScales ? kF.group_size / 16 : 1;
 
@@ -104,7 +97,7 @@ struct PortableConfig {
                 "shared-memory regions must be 16-byte aligned (cp.async, ldmatrix, vector stores)");
   static_assert(!kExactScales || (kF.group_size % 16 == 0 && kDvPerWarp % kF.group_size == 0),
                 "exact scales: whole k16 steps per group, and each warp's output columns whole groups");
-  static_assert(Loader::kStagedRowBytes % 16 == 0, "staged rows must stay 16-byte aligned");
+  static_assert(Geometry::kStagedRowBytes % 16 == 0, "staged rows must stay 16-byte aligned");
   static_assert(kSharedBytes <= kMaxSharedBytes, "shared memory exceeds the 99 KB portable budget");
 };
 

@@ -1,5 +1,6 @@
 // Tile shapes and shared-memory layout of the Hopper kernel family (sm_90a: wgmma, register
-// reallocation, 227 KB of shared memory per block).
+// reallocation, 227 KB of shared memory per block). Host-compilable constexpr: kernel_table.h turns
+// it into the table the planner reads through the CPU extension.
 //
 // Block = (token, 64-head tile, split), 3 warpgroups:
 //   warpgroup 0, the producer: gathers candidate rows with cp.async into a two-stage staging area and
@@ -15,7 +16,7 @@
 #pragma once
 
 #include "kernels/common/formats.h"
-#include "kernels/cuda/load_tile.cuh"
+#include "kernels/cuda/loader_geometry.h"
 
 namespace jsmla::cuda::hopper {
 
@@ -30,10 +31,10 @@ constexpr bool hopper_format(FormatId id) {
          !(f.scale_kind == ScaleKind::kFp32 && !f.pow2_scales);
 }
 
-template <FormatId kFormat>
+template <FormatId kFormat, int kHeadTileValue>
 struct HopperConfig {
   static constexpr FormatTraits kF = format_traits(kFormat);
-  static constexpr int kHeadTile = 64;        // wgmma M
+  static constexpr int kHeadTile = kHeadTileValue;  // wgmma M
   static constexpr int kCandidateTile = 32;   // wgmma N of S, 2 k16 steps of P·V
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerGroups = 2;
@@ -47,7 +48,7 @@ struct HopperConfig {
   static constexpr int kOutRegisters = kDvPerGroup / 2;      // FP32 accumulators of O per thread
   static constexpr int kAtomBytes = 128;                     // one swizzle row: 64 BF16 values
 
-  using Loader = TileLoader<kFormat, kCandidateTile, kProducerThreads>;
+  using Geometry = LoaderGeometry<kFormat, kCandidateTile, kProducerThreads>;
   // Staged units a producer thread loads before converting them (bounded by its registers).
   static constexpr int kConvertBatch = 10;
 
@@ -59,7 +60,7 @@ struct HopperConfig {
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
   static constexpr int kTileBytes = kCandidateTile * kDqk * 2;
   static constexpr int kTileBlockBytes = kCandidateTile * kAtomBytes;  // one 64-column block of a tile
-  static constexpr int kScaleSlotsBytes = Loader::kScaleRecordBytes > 0 ? kProducerThreads * kScaleSlotBytes : 0;
+  static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kProducerThreads * kScaleSlotBytes : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
   // Partial scores: [2 buffers][2 consumers][16 values][128 threads] floats.
   static constexpr int kExchangeBytes = 2 * kConsumerGroups * 16 * 128 * 4;
@@ -67,7 +68,7 @@ struct HopperConfig {
   // shared-memory loads) covers 8 rows × 64 contiguous bytes, which then fall into alternating halves
   // of the 32 banks, 4 wavefronts per instruction (a pitch that is a multiple of 128 bytes puts all 8
   // rows on the same 16 banks, 4 times the wavefronts).
-  static constexpr int kPaddedPitch = (Loader::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
+  static constexpr int kPaddedPitch = (Geometry::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
   static constexpr bool fits(int pitch, bool split_scores) {
     return kQBytes + 2 * kTileBytes + 2 * kCandidateTile * pitch + 2 * kScaleSlotsBytes + 2 * kBiasBytes +
                (split_scores ? kExchangeBytes : 0) + 1024 <=
@@ -75,8 +76,8 @@ struct HopperConfig {
   }
   // Split S between the consumers (halves the Q·Kᵀ work and its shared-memory reads) when it fits, with
   // the padded pitch if that fits too.
-  static constexpr bool kSplitScores = fits(Loader::kStagedRowBytes, true);
-  static constexpr int kStagePitch = fits(kPaddedPitch, kSplitScores) ? kPaddedPitch : Loader::kStagedRowBytes;
+  static constexpr bool kSplitScores = fits(Geometry::kStagedRowBytes, true);
+  static constexpr int kStagePitch = fits(kPaddedPitch, kSplitScores) ? kPaddedPitch : Geometry::kStagedRowBytes;
   static constexpr int kStageBytes = kCandidateTile * kStagePitch;
 
   static constexpr int kQOffset = 0;
@@ -97,13 +98,14 @@ struct HopperConfig {
   static constexpr int kExchangeBarrier = 6;  // consumers only: both partial scores are written
 
   static_assert(hopper_format(kFormat), "format not served by the Hopper family");
+  static_assert(kHeadTile == 64, "a head tile is one wgmma M of 64 rows");
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0, "rows must be whole 64-column swizzle blocks");
   static_assert(kDvPerGroup == 256, "one m64n256k16 wgmma per k16 step covers a consumer's half of d_v");
   static_assert(kCandidateTile % 16 == 0 && kCandidateTile % 8 == 0, "P·V consumes candidates in k16 steps");
   static_assert(kProducerThreads % kCandidateTile == 0, "every tile row gets the same number of producer threads");
-  static_assert(Loader::kThreadsPerRow * 16 == 64, "a warp stages 8 rows × 64 bytes per cp.async (kPaddedPitch)");
-  static_assert(kStagePitch >= Loader::kStagedRowBytes && kStagePitch % 16 == 0, "staged rows must not overlap");
-  static_assert(!Loader::kExactScales, "arbitrary FP32 scales are not served by this family");
+  static_assert(Geometry::kThreadsPerRow * 16 == 64, "a warp stages 8 rows × 64 bytes per cp.async (kPaddedPitch)");
+  static_assert(kStagePitch >= Geometry::kStagedRowBytes && kStagePitch % 16 == 0, "staged rows must not overlap");
+  static_assert(!Geometry::kExactScales, "arbitrary FP32 scales are not served by this family");
   static_assert(kQOffset % 1024 == 0 && kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 &&
                     kQBlockBytes % 1024 == 0 && kTileBlockBytes % 1024 == 0,
                 "swizzled operands must start on 1024-byte boundaries");
