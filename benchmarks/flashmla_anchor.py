@@ -116,3 +116,36 @@ def prefill(q, kv_bf16, index_sets, sm_scale, repeats, replays):
     out, _, lse = results[0]
     torch.cuda.synchronize()
     return us, out.float().cpu().numpy(), lse.float().cpu().numpy()
+
+
+def _profile_main(argv):
+    """``python benchmarks/flashmla_anchor.py T H``: FlashMLA's decode on a random 192 MB dsv3_2 cache, three
+    eager calls (for ncu: the last call's kernels are the measured ones)."""
+    import jax.numpy as jnp
+    import torch
+
+    from jax_sparse_mla.timing import RandomCache
+
+    tokens, heads = int(argv[1]), int(argv[2])
+    cache = RandomCache("dsv3_2")
+    q = cache.query(tokens, heads)
+    indices = cache.index_sets(1, tokens, 2048)
+    import flash_mla
+
+    padded = 64 if heads < 64 else heads
+    q_t = torch.zeros((tokens, 1, padded, 576), dtype=torch.bfloat16, device="cuda")
+    q_t[:, 0, :heads] = _torch(q)
+    k_cache = _torch(cache.cache).view(cache.cache.shape[0], cache.cache.shape[1], 1, cache.cache.shape[2])
+    index_t = _torch(indices)[0].view(tokens, 1, -1)
+    sched, _ = flash_mla.get_mla_metadata()
+    for _ in range(3):
+        flash_mla.flash_mla_with_kvcache(q_t, k_cache, None, None, 512, sched, None, softmax_scale=576 ** -0.5,
+                                         is_fp8_kvcache=True, indices=index_t)
+    torch.cuda.synchronize()
+    del jnp
+
+
+if __name__ == "__main__":
+    import sys
+
+    _profile_main(sys.argv)

@@ -89,10 +89,12 @@ ffi::Error check_plan(const FormatTraits& f, const AttentionParams& a, const Pla
                                        std::to_string(plan.heads_per_block));
   }
   const int64_t total_candidates = static_cast<int64_t>(a.main.topk) + a.extra.topk;
-  if (plan.decode() && (plan.num_splits < 1 || plan.split_size < 1 || plan.split_size % cuda::kSplitGranule != 0 ||
+  if (plan.decode() && (plan.num_splits < 1 || plan.num_splits > cuda::combine_max_splits() || plan.split_size < 1 ||
+                        plan.split_size % cuda::kSplitGranule != 0 ||
                         static_cast<int64_t>(plan.num_splits) * plan.split_size < total_candidates)) {
     return ffi::Error::InvalidArgument(
-        "num_splits/split_size: decode needs num_splits >= 1 and split_size a positive multiple of " +
+        "num_splits/split_size: decode needs 1 <= num_splits <= " + std::to_string(cuda::combine_max_splits()) +
+        " and split_size a positive multiple of " +
         std::to_string(cuda::kSplitGranule) + " with num_splits * split_size >= topk + extra_topk = " +
         std::to_string(total_candidates) + ", got num_splits=" + std::to_string(plan.num_splits) +
         " split_size=" + std::to_string(plan.split_size));
@@ -101,8 +103,8 @@ ffi::Error check_plan(const FormatTraits& f, const AttentionParams& a, const Pla
   if (a.extra.topk > 0) {
     if (ffi::Error error = check_cache_alignment("extra_kv_cache", a.extra.cache); error.failure()) return error;
   }
-  if (reinterpret_cast<uintptr_t>(a.q) % 4 != 0 || !aligned16(a.out)) {
-    return ffi::Error::InvalidArgument("q/out: the CUDA kernels need 4-byte aligned q and 16-byte aligned out");
+  if (!aligned16(a.q) || !aligned16(a.out)) {
+    return ffi::Error::InvalidArgument("q/out: the CUDA kernels need 16-byte aligned q and out");
   }
   const int64_t head_tiles = (a.num_heads + plan.heads_per_block - 1) / plan.heads_per_block;
   const int64_t blocks = a.num_tokens * head_tiles * (plan.decode() ? plan.num_splits : 1);
@@ -130,25 +132,33 @@ bool hopper_allowed() {
   return allowed;
 }
 
+// What the launches depend on besides the kernel: the compute capability (major * 10 + minor) and the
+// SM count of the current device.
+struct DeviceFacts {
+  int capability = 0;
+  int sm_count = 0;
+};
+
 // The kernel that runs the plan on the current device (no device data is read): the family
-// cuda::choose_family picks, for the plan's format and head tile.
-ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, const KernelInfo** kernel) {
+// cuda::choose_family picks, for the plan's format and head tile; fills `facts`.
+ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, const KernelInfo** kernel, DeviceFacts* facts) {
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cuda_error("cudaGetDevice", e);
   int major = 0, minor = 0, max_shared = 0;
   cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&facts->sm_count, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return cuda_error("cudaDeviceGetAttribute", e);
-  const int capability = 10 * major + minor;
-  if (capability < cuda::kMinComputeCapability) {
+  facts->capability = 10 * major + minor;
+  if (facts->capability < cuda::kMinComputeCapability) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "jax_sparse_mla: no CUDA kernel for compute capability " + std::to_string(major) + "." +
                           std::to_string(minor) + " (the kernels need sm_" +
                           std::to_string(cuda::kMinComputeCapability) + " or newer)");
   }
   const Family family =
-      cuda::choose_family(f.id, heads_per_block, capability, max_shared, cuda::hopper_compiled(), hopper_allowed());
+      cuda::choose_family(f.id, heads_per_block, facts->capability, max_shared, cuda::hopper_compiled(), hopper_allowed());
   *kernel = cuda::find_kernel(family, f.id, heads_per_block);
   if ((*kernel)->shape.shared_bytes > max_shared) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -160,9 +170,13 @@ ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, const K
 
 // ---------------------------------------------------------------------------------- launch
 
+// Compute capability from which the split merge is launched as the split kernel's programmatic
+// dependent (its blocks start while the split kernel finishes).
+constexpr int kDependentLaunchCapability = 90;
+
 // The split kernel (or the single pass), then for decode the merge of the splits into out/lse.
 ffi::Error launch(const KernelInfo& kernel, const FormatTraits& f, const PlanAttributes& plan,
-                  cuda::SplitKvParams& params, void* workspace, cudaStream_t stream) {
+                  const DeviceFacts& device, cuda::SplitKvParams& params, void* workspace, cudaStream_t stream) {
   const AttentionParams& a = params.attn;
   params.num_head_tiles = (a.num_heads + plan.heads_per_block - 1) / plan.heads_per_block;
   params.num_splits = plan.decode() ? plan.num_splits : 1;
@@ -181,7 +195,9 @@ ffi::Error launch(const KernelInfo& kernel, const FormatTraits& f, const PlanAtt
   combine.valid_tokens = a.valid_tokens;
   combine.out = a.out;
   combine.lse = a.lse;
-  if (cudaError_t e = cuda::launch_combine(combine, f.d_v, stream); e != cudaSuccess) {
+  if (cudaError_t e = cuda::launch_combine(combine, f.d_v, device.sm_count,
+                                           device.capability >= kDependentLaunchCapability, stream);
+      e != cudaSuccess) {
     return cuda_error("sparse_mla combine kernel", e);
   }
   return ffi::Error::Success();
@@ -210,9 +226,10 @@ ffi::Error SparseMlaCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Any
   const int64_t workspace_bytes = static_cast<int64_t>(workspace->size_bytes());
   if (error = check_plan(*format, params.attn, plan, workspace_data, workspace_bytes); error.failure()) return error;
   const KernelInfo* kernel = nullptr;
-  if (error = select_kernel(*format, heads_per_block, &kernel); error.failure()) return error;
+  DeviceFacts device;
+  if (error = select_kernel(*format, heads_per_block, &kernel, &device); error.failure()) return error;
   if (params.attn.num_tokens == 0) return ffi::Error::Success();  // never launch an empty grid
-  return launch(*kernel, *format, plan, params, workspace_data, stream);
+  return launch(*kernel, *format, plan, device, params, workspace_data, stream);
 }
 
 }  // namespace

@@ -50,14 +50,14 @@ class CostModel:
     the portable ones for 16-head tiles there); calibrating fits them per device.
     """
 
-    launch_us: float = 21.4  # per launch (fitted when samples timed one call each, so it holds part of
-    # the call's host dispatch; a calibration with queued calls gives about 7 us on the H200 and the
-    # same picks on the planner sweep's grid)
-    block_us: float = 1.62
-    dequant_ns: float = 85.3  # gather + FP8 -> BF16 conversion of one candidate row by one block
+    # Fitted by calibrate() on an H200 (sm_90, 132 SMs) with the queued-call timing method (32 scan
+    # steps per call for T <= 16, so the host's dispatch does not set the pace), rounded.
+    launch_us: float = 4.9  # per launch
+    block_us: float = 0.32
+    dequant_ns: float = 65.2  # gather + FP8 -> BF16 conversion of one candidate row by one block
     mma_ns_per_head: float = 0.0  # S = Q·Kᵀ and O += P·V of one candidate for one head (hidden on H200)
-    co_residency_gain: float = 1.52  # throughput of `resident` co-resident blocks over one
-    combine_gbps: float = 1655.0
+    co_residency_gain: float = 1.33  # throughput of `resident` co-resident blocks over one
+    combine_gbps: float = 1531.0
     tail: float = 0.0  # the last wave's imbalance, in block times
 
     def block_time_us(self, candidates_per_block: int, head_tile: int) -> float:

@@ -227,7 +227,7 @@ _REPLAY_SCRIPT = textwrap.dedent("""
     import jax_sparse_mla as jsm
     from jax_sparse_mla import _ffi
     rng = np.random.default_rng(7)
-    key, T, H, K = "dsv3_2", 4, 16, 96
+    key, T, H, K = "dsv3_2", {tokens}, {heads}, {topk}
     kv = rng.standard_normal((1024, 576)).astype(np.float32)
     pages = oracle.quantize(kv, key, 64)
     keys = oracle.decode(pages, key)
@@ -258,10 +258,15 @@ _REPLAY_SCRIPT = textwrap.dedent("""
 
 
 @gpu
-def test_command_buffer_replay_follows_fresh_inputs(tmp_path):
+@pytest.mark.parametrize("tokens,heads,topk", [
+    (4, 16, 96),     # portable kernel, the split merge split over several blocks per row
+    (1, 128, 2048),  # Hopper kernel with many splits: the small-batch merge shape
+    (64, 128, 256),  # many rows: one merge block per row
+])
+def test_command_buffer_replay_follows_fresh_inputs(tmp_path, tokens, heads, topk):
     script = tmp_path / "replay.py"
     paths = [os.path.dirname(os.path.dirname(__file__))] + [p for p in sys.path if p]
-    script.write_text(_REPLAY_SCRIPT.format(paths=paths))
+    script.write_text(_REPLAY_SCRIPT.format(paths=paths, tokens=tokens, heads=heads, topk=topk))
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
                                       "--xla_gpu_graph_min_graph_size=1")

@@ -47,6 +47,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);  // [2][kN]
   auto tile_buffer = [&](int b) { return smem + Cfg::kTileOffset + b * Cfg::kTileBytes; };
 
+  // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
+  // results before reading them).
+  allow_dependent_launch();
   const AttentionParams& a = p.attn;
   const BlockCoordinates coordinates(p);
   const int64_t token = coordinates.token;
@@ -107,22 +110,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int warp = (consumer_thread % 128) / 32;                    // 16 head rows each
   const int lane = threadIdx.x % 32;
 
-  // Q of the 64-head tile → shared memory (rows past H are zero), 8 BF16 values per store.
+  // Q of the 64-head tile → shared memory (rows past H are zero). Every 16-byte chunk's cp.async is
+  // in flight at once, so the load costs one round trip (the handler checks that q is 16-byte aligned).
   {
     constexpr int kChunksPerRow = Cfg::kDqk / 8;
-    for (int c = consumer_thread; c < Cfg::kHeadTile * kChunksPerRow; c += 128 * Cfg::kConsumerGroups) {
+    constexpr int kConsumerThreads = 128 * Cfg::kConsumerGroups;
+    constexpr int kChunksPerThread = Cfg::kHeadTile * kChunksPerRow / kConsumerThreads;
+    static_assert(Cfg::kHeadTile * kChunksPerRow % kConsumerThreads == 0, "every consumer copies as many Q chunks");
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int c = consumer_thread + i * kConsumerThreads;
       const int row = c / kChunksPerRow;
       const int dim = (c % kChunksPerRow) * 8;
       const int head = head_begin + row;
-      uint4 values = make_uint4(0, 0, 0, 0);
+      uint8_t* const chunk = q_smem + swizzled_offset(row, dim, Cfg::kHeadTile);
       if (head < num_heads) {
-        const uint16_t* q = a.q + (token * num_heads + head) * Cfg::kDqk + dim;
-        values = make_uint4(load_global_u32(q), load_global_u32(q + 2), load_global_u32(q + 4), load_global_u32(q + 6));
+        cp_async_16(chunk, a.q + (token * num_heads + head) * Cfg::kDqk + dim);
+      } else {
+        *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
       }
-      *reinterpret_cast<uint4*>(q_smem + swizzled_offset(row, dim, Cfg::kHeadTile)) = values;
     }
+    cp_async_commit();
+    cp_async_wait_all();
     fence_proxy_async_shared();
-    named_barrier_sync(Cfg::kQBarrier, 128 * Cfg::kConsumerGroups);
+    named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
   }
 
   // The rest runs with the consumer's half of d_v as a compile-time constant: every shared-memory

@@ -40,6 +40,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);
   float* const factors = reinterpret_cast<float*>(smem + Cfg::kFactorOffset);  // exact scales only
 
+  // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
+  // results before reading them).
+  allow_dependent_launch();
   const AttentionParams& a = p.attn;
   const BlockCoordinates coordinates(p);
   const int split = coordinates.split;

@@ -9,7 +9,7 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --profile]   (exit code 0 only when every
+// Run: ./portable_check [--quick | --sanitize | --headline | --profile | --profile-small]   (exit code 0 only when every
 // check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --profile: see below.
@@ -282,17 +282,26 @@ struct Plan {
   int num_splits = 1;
   int split_size = 0;
   bool hopper = false;  // run the Hopper family's kernel instead of the portable one
+  bool dependent_combine = true;  // on sm_90+, the combine as the split kernel's programmatic dependent
   std::string text() const {
     return std::string(hopper ? "H " : "") + (variant == 1 ? "decode hpb=" : "prefill hpb=") +
            std::to_string(heads_per_block) +
-           (variant == 1 ? " splits=" + std::to_string(num_splits) + "x" + std::to_string(split_size) : "");
+           (variant == 1 ? " splits=" + std::to_string(num_splits) + "x" + std::to_string(split_size) : "") +
+           (dependent_combine ? "" : " serial");
   }
 };
 
 bool g_hopper_device = false;  // sm_90 GPU and a build with the Hopper family's sm_90a code
+bool g_dependent_combine = false;  // sm_90 or newer: the combine is the split kernel's programmatic dependent
+int g_sm_count = 0;
 
 Plan on_hopper(Plan plan) {
   plan.hopper = true;
+  return plan;
+}
+
+Plan serial_combine(Plan plan) {
+  plan.dependent_combine = false;
   return plan;
 }
 
@@ -332,7 +341,7 @@ void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
     c.valid_tokens = p.attn.valid_tokens;
     c.out = p.attn.out;
     c.lse = p.attn.lse;
-    CHECK_CUDA(cuda::launch_combine(c, d.f->d_v, stream));
+    CHECK_CUDA(cuda::launch_combine(c, d.f->d_v, g_sm_count, g_dependent_combine && plan.dependent_combine, stream));
   }
 }
 
@@ -677,9 +686,21 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   g_hopper_device = prop.major * 10 + prop.minor == cuda::kHopperComputeCapability && cuda::hopper_compiled();
+  g_dependent_combine = prop.major >= 9;
+  g_sm_count = prop.multiProcessorCount;
   // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
   // the Hopper family when available, else the portable one). --headline: the headline shapes on the
   // Hopper family, each checked and timed (a quick performance comparison between builds).
+  // --profile-small: the T=1 H=128 decode (32 splits) once, for ncu.
+  if (mode == "--profile-small") {
+    const Fp8Table fp8;
+    HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
+    Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+    DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
+    run_case(d1, g_hopper_device ? on_hopper(decode_plan(64, 2048, 32)) : decode_plan(64, 2048, 32), {0}, 0);
+    release(d1);
+    return g_failed ? 1 : 0;
+  }
   if (mode == "--profile" || mode == "--headline") {
     const bool profile = mode == "--profile";
     const Fp8Table fp8;
@@ -697,8 +718,18 @@ int main(int argc, char** argv) {
     if (profile) return g_failed ? 1 : 0;
     Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
-    run_case(d1, on_hopper(decode_plan(64, 2048, 32)), {0}, 15);
+    for (int splits : {16, 32, 64}) {
+      run_case(d1, on_hopper(decode_plan(64, 2048, splits)), {0}, 15);
+      run_case(d1, serial_combine(on_hopper(decode_plan(64, 2048, splits))), {0}, 15);
+    }
     release(d1);
+    Problem pr1h16{"dsv3_2 T=1 H=16 k=2048", FormatId::kDsv32, 1, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+    DeviceProblem d1h16 = make_problem(pr1h16, &cache, nullptr, 19);
+    for (int splits : {32, 64}) {
+      run_case(d1h16, decode_plan(16, 2048, splits), {0}, 15);
+      run_case(d1h16, serial_combine(decode_plan(16, 2048, splits)), {0}, 15);
+    }
+    release(d1h16);
     Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
     DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
     run_case(dp, on_hopper(Plan{2, 64}), {0, 4095}, 5);
@@ -785,7 +816,19 @@ int main(int argc, char** argv) {
       Problem pr16{"dsv3_2 T=128 H=16 k=2048", FormatId::kDsv32, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
       DeviceProblem d16 = make_problem(pr16, &cache, nullptr, 17);
       run_case(d16, decode_plan(16, 2048, 2), {9}, reps);
+      run_case(d16, on_hopper(decode_plan(64, 2048, 1)), {9}, reps);
+      run_case(d16, on_hopper(decode_plan(64, 2048, 2)), {9}, reps);
       release(d16);
+      // Small batches: one user, a 16-head tensor-parallel shard, a few speculative tokens.
+      Problem pr1h16{"dsv3_2 T=1 H=16 k=2048", FormatId::kDsv32, 1, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+      DeviceProblem d1h16 = make_problem(pr1h16, &cache, nullptr, 19);
+      for (int splits : {16, 32, 64}) run_case(d1h16, decode_plan(16, 2048, splits), {0}, reps);
+      for (int splits : {32, 64}) run_case(d1h16, on_hopper(decode_plan(64, 2048, splits)), {0}, reps);
+      release(d1h16);
+      Problem pr16h128{"dsv3_2 T=16 H=128 k=2048", FormatId::kDsv32, 16, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+      DeviceProblem d16h128 = make_problem(pr16h128, &cache, nullptr, 20);
+      for (int splits : {2, 4, 8}) run_case(d16h128, on_hopper(decode_plan(64, 2048, splits)), {0, 15}, reps);
+      release(d16h128);
       Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
       DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
       run_case(dp, Plan{2, 64}, {0, 4095}, 3);
