@@ -30,7 +30,8 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+# kernel_log.md is the kernels' development history, not part of the user guide.
+exclude_patterns = ["_build", "kernel_log.md"]
 
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
