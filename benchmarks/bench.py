@@ -1,4 +1,4 @@
-"""Benchmark harness (PERF.md method): device time per call, TFLOP/s, gathered GB/s, and the speed-up
+"""Benchmark harness (method: docs/performance.md): device time per call, TFLOP/s, gathered GB/s, and the speed-up
 over a frozen pure-JAX gather + einsum baseline measured in the same run.
 
     python benchmarks/bench.py --out_dir benchmarks/results            # the full grid (GPU)
@@ -11,7 +11,7 @@ calls back to back (``jax_sparse_mla.timing.CALLS_PER_SAMPLE``) and waits for th
 work and is not counted), divided by the step count;
 the median of ``--repeats`` samples after a warm-up is reported. The cache is several times the
 L2 (>= 170 MB) and every step uses a different random index set. Before timing, each case's first rows
-are checked against the C++ CPU kernel with the SPEC §4 accuracy contract.
+are checked against the C++ CPU kernel with the accuracy contract (docs/semantics.md).
 """
 
 from __future__ import annotations

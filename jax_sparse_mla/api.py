@@ -23,16 +23,17 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
                page_size: Optional[int] = None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                extra_indices=None, extra_topk_length=None, extra_page_size: Optional[int] = None,
                valid_tokens=None, impl: str = "auto", batch_invariant: bool = False):
-    """Token-sparse MLA attention over a paged (FP8) KV cache (SPEC §4).
+    """Token-sparse MLA attention over a paged (FP8) KV cache.
 
     Each query row ``t`` attends to the cache slots listed in ``indices[t]``; invalid candidates
     (out of range, negative, past ``topk_length[t]``, past the format's window) are masked and never
-    read. The softmax is joint over the main and (for ``dsv4``/``dsv4_1``) the extra cache.
+    read. The softmax is joint over the main and (for ``dsv4``/``dsv4_1``) the extra cache. The
+    semantics, edge cases and accuracy contract are in docs/semantics.md.
 
     Args:
       q: bfloat16 ``[T, H, d_qk]`` or ``[B, S, H, d_qk]``; 1 <= H <= 128.
-      kv_cache: a cache of ``kv_format`` in any form of SPEC §3 (uint8/int8/float8_e4m3fn bytes, or
-        bfloat16 for ``bf16_*``).
+      kv_cache: a cache of ``kv_format`` in any accepted shape (docs/formats.md, cache shapes):
+        uint8/int8/float8_e4m3fn bytes, or bfloat16 for ``bf16_*``.
       indices: int32 ``[T, topk]``, ``[T, 1, topk]`` or ``[B, S, topk]``: global slots
         (``page * page_size + offset``).
       kv_format: format key (see :data:`jax_sparse_mla.FORMATS`) or :class:`KVFormat`.
@@ -40,8 +41,11 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       page_size: tokens per page; required only for the 2-D ``[num_pages, page_bytes]`` form.
       topk_length: int32 ``[T]``/``[B, S]``: only the first ``topk_length[t]`` entries of row t are used.
       attn_sink: float32 ``[H]``: one extra logit per head whose value vector is zero.
-      extra_kv_cache, extra_indices, extra_topk_length, extra_page_size: the dual cache (``dsv4``,
-        ``dsv4_1``); cache and indices go together.
+      extra_kv_cache: the dual cache (``dsv4``, ``dsv4_1``): a cache of the same format with its own
+        shape and page size; given together with ``extra_indices``.
+      extra_indices: int32 ``[T, extra_topk]`` (same forms as ``indices``): slots of the extra cache.
+      extra_topk_length: int32 ``[T]``/``[B, S]``: like ``topk_length``, for ``extra_indices``.
+      extra_page_size: the extra cache's page size, for its 2-D form.
       valid_tokens: int32 scalar or ``[1]``: rows ``t >= valid_tokens`` (of the flattened rows) are padding:
         ``out = 0``, ``lse = -inf``, skipped on the device.
       impl: ``"auto"`` (planner), ``"decode"``/``"prefill"`` (force a CUDA variant) or ``"xla"`` (pure JAX).
@@ -52,7 +56,8 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
 
     Raises:
-      TypeError: wrong dtypes. ValueError: anything else that shapes reveal (SPEC §5).
+      TypeError: wrong dtypes (docs/errors.md).
+      ValueError: anything else that shapes reveal (docs/errors.md).
       NotImplementedError: under ``jax.grad``/``jax.jvp`` (no backward pass).
 
     Under ``jax.vmap`` the batch folds into rows (caches must not be batched). Calling this on arrays
@@ -187,15 +192,22 @@ def _lower(problem, arrays):
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
-    """Combines two attention states over disjoint candidate sets (SPEC §4).
+    """Combines two attention states over disjoint candidate sets (docs/semantics.md, merging partial states).
 
     Args:
-      out_a, out_b: ``[..., H, d_v]`` (any float dtype; the result has out_a's dtype).
-      lse_a, lse_b: float32 ``[..., H]``, natural log; ``-inf`` marks an empty state.
+      out_a: ``[..., H, d_v]`` (any float dtype; the result has out_a's dtype).
+      lse_a: float32 ``[..., H]``, natural log; ``-inf`` marks an empty state.
+      out_b: the second state's output, shaped like ``out_a``.
+      lse_b: the second state's lse, shaped like ``lse_a``.
+
     Returns:
       ``(out, lse)`` of the union: ``lse = logaddexp(lse_a, lse_b)``, ``out`` the lse-weighted mix.
       Two empty states give ``out = 0``, ``lse = -inf``; a ``+inf`` lse (an infinite sink) gives
       ``out = 0``, ``lse = +inf``.
+
+    Raises:
+      TypeError: ``lse_a`` or ``lse_b`` not float32.
+      ValueError: shapes that do not match.
     """
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
         if x.dtype != jnp.float32:

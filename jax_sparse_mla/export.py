@@ -1,4 +1,4 @@
-"""``jax.export`` support: the safety checks the library's custom calls need disabled (SPEC §7).
+"""``jax.export`` support: the safety checks the library's custom calls need disabled (docs/sharding_and_export.md).
 
 ``jax.export`` refuses to serialise custom calls that are not on JAX's list of targets with a stability
 guarantee. The library gives that guarantee itself: its FFI target name is versioned

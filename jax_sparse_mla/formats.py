@@ -1,4 +1,4 @@
-"""KV-cache formats: the byte layouts of SPEC §3 and pure-JAX quantize / update / dequantize.
+"""KV-cache formats: the byte layouts (docs/formats.md) and pure-JAX quantize / update / dequantize.
 
 Every format is a :class:`KVFormat` registered under a string key. The C++ header
 ``kernels/common/formats.h`` holds the same table for the kernels; ``tests/test_formats.py`` checks
@@ -54,10 +54,34 @@ class ScaleKind(enum.IntEnum):
 
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
-    """Byte layout of one KV-cache format.
+    """Byte layout of one KV-cache format (docs/formats.md).
 
-    Attributes mirror ``jsmla::FormatTraits``. K of a token is ``fp8_dim`` FP8 lanes (dequantized
-    by their group's scale) followed by ``bf16_dim`` BF16 lanes; V is the first ``d_v`` lanes of K.
+    K of a token is ``fp8_dim`` FP8 lanes (dequantized by their group's scale) followed by ``bf16_dim``
+    BF16 lanes; V is the first ``d_v`` lanes of K. The fields mirror the kernels' ``jsmla::FormatTraits``.
+
+    Attributes:
+      key: the format's name, e.g. ``"dsv3_2"``.
+      id: the format's number in the kernels' table.
+      layout: ``Layout.INLINE`` (self-contained rows), ``Layout.FOOTER`` (a page's data rows, then its
+        scale rows) or ``Layout.BF16`` (unquantized rows).
+      scale_kind: ``ScaleKind.FP32`` (little-endian float32 per group), ``ScaleKind.UE8M0`` (one
+        exponent byte per group) or ``ScaleKind.NONE``.
+      d_qk: query/key width in lanes.
+      d_v: value/output width in lanes.
+      bytes_per_token: bytes one token occupies (inline: the payload, before any row padding).
+      fp8_dim: FP8 lanes of K (the first lanes).
+      bf16_dim: BF16 lanes of K after the FP8 lanes (the rope lanes; all lanes for ``bf16_*``).
+      group_size: FP8 lanes per scale (0 without scales).
+      num_groups: scales per token.
+      data_row_bytes: bytes of a token's data row (inline and bf16: the whole payload).
+      scale_offset: byte offset of the first scale in the row that holds the scales (inline: the data
+        row; footer: the scale row).
+      scale_row_bytes: bytes of a footer scale row (0 for the other layouts).
+      bf16_offset: byte offset of the BF16 lanes in the data row.
+      max_candidates: the candidate window per query row (0: none; 513 for ``dots3_swa``).
+      pow2_scales: the scales are powers of two.
+      dual_cache: the format has a dual-cache form (``extra_kv_cache``).
+      description: one line about the format.
     """
 
     key: str
@@ -152,7 +176,8 @@ def get_format(kv_format: Union[str, KVFormat]) -> KVFormat:
     """Returns the :class:`KVFormat` for a key or format object.
 
     Raises:
-      ValueError: for an unknown key. TypeError: for anything other than a str or KVFormat.
+      ValueError: an unknown key, or a ``KVFormat`` that is not registered.
+      TypeError: anything other than a str or ``KVFormat``.
     """
     if isinstance(kv_format, KVFormat):
         if FORMATS.get(kv_format.key) != kv_format:
@@ -198,12 +223,13 @@ def _shape_text(x) -> str:
 
 def cache_layout(cache, kv_format: Union[str, KVFormat], page_size: Optional[int] = None,
                  name: str = "kv_cache") -> CacheLayout:
-    """Validates a cache's shape and dtype against SPEC §3 and returns its :class:`CacheLayout`.
+    """Validates a cache's shape and dtype (docs/formats.md, cache shapes) and returns its :class:`CacheLayout`.
 
     Accepts any object with ``shape`` and ``dtype`` (arrays, ShapeDtypeStructs, tracers).
 
     Raises:
-      TypeError: wrong dtype. ValueError: any shape or page-size violation.
+      TypeError: wrong dtype.
+      ValueError: any shape or page-size violation.
     """
     fmt = get_format(kv_format)
     shape = tuple(int(d) for d in cache.shape)
@@ -298,7 +324,7 @@ def _as_pages(cache, layout: CacheLayout):
 
 
 # --------------------------------------------------------------------------------------------------
-# Encoding (quantization) of rows, bit-exact per SPEC §3
+# Encoding (quantization) of rows, bit-exact (docs/formats.md, quantize_kv)
 # --------------------------------------------------------------------------------------------------
 
 _FP8_MAX = 448.0
@@ -309,7 +335,7 @@ def _divide(numerator, denominator):
 
     XLA's simplifier rewrites a division by a constant or by a broadcast into a multiplication by
     the reciprocal, which is not bit-exact. Materialising the divisor at full shape behind an
-    optimization barrier keeps a true division, as SPEC §3 requires.
+    optimization barrier keeps a true division, as quantization requires (docs/formats.md, quantize_kv).
     """
     denominator = jnp.broadcast_to(jnp.asarray(denominator, jnp.float32), numerator.shape)
     return numerator / jax.lax.optimization_barrier(denominator)
@@ -334,7 +360,7 @@ def _to_bytes(x, dtype):
 
 
 def encode_rows(kv, kv_format: Union[str, KVFormat]):
-    """Quantizes rows per SPEC §3.
+    """Quantizes rows as ``quantize_kv`` does (docs/formats.md, quantize_kv).
 
     Args:
       kv: ``[n, d_qk]`` float32 or bfloat16, finite.
@@ -379,15 +405,20 @@ def encode_rows(kv, kv_format: Union[str, KVFormat]):
 
 
 def quantize_kv(kv, kv_format: Union[str, KVFormat], page_size: int = 64):
-    """Builds a whole cache from unquantized latent rows (SPEC §3), bit-exact and jittable.
+    """Builds a whole cache from unquantized latent rows, bit-exact and jittable (docs/formats.md).
 
     Args:
       kv: ``[num_tokens, d_qk]`` float32 or bfloat16 (nope lanes then rope lanes), finite.
       kv_format: format key or :class:`KVFormat`.
       page_size: tokens per page; ``num_tokens`` is padded with zero tokens to a whole page.
+
     Returns:
       uint8 ``[num_pages, page_size, bytes_per_token]``, or bfloat16 ``[num_pages, page_size, d_qk]``
       for ``bf16_*`` formats. Footer pages hold the data rows then the scale rows.
+
+    Raises:
+      TypeError: ``kv`` neither float32 nor bfloat16.
+      ValueError: ``kv`` not ``[num_tokens, d_qk]``, or ``page_size`` not a positive int.
     """
     fmt = get_format(kv_format)
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
@@ -400,7 +431,7 @@ def quantize_kv(kv, kv_format: Union[str, KVFormat], page_size: int = 64):
     data, scales = encode_rows(kv, fmt)
     if not fmt.quantized:
         return data.reshape(num_pages, page_size, fmt.d_qk)
-    # Padding tokens are all-zero bytes (SPEC §3), not encoded zero rows (whose scales are nonzero).
+    # Padding tokens are all-zero bytes (docs/formats.md), not encoded zero rows (whose scales are nonzero).
     real = (jnp.arange(num_pages * page_size) < n)[:, None]
     data = jnp.where(real, data, jnp.uint8(0))
     scales = jnp.where(real, scales, jnp.uint8(0))
@@ -414,13 +445,19 @@ def update_kv(cache, slots, kv, kv_format: Union[str, KVFormat], page_size: Opti
     """Writes the quantized rows of ``kv`` at global ``slots`` (the per-step cache write).
 
     Args:
-      cache: any cache form of SPEC §3 for ``kv_format``.
+      cache: a cache of ``kv_format`` in any accepted shape (docs/formats.md, cache shapes).
       slots: int32 ``[n]`` global slots; negative or out-of-range slots are skipped.
       kv: ``[n, d_qk]`` float32 or bfloat16.
+      kv_format: format key or :class:`KVFormat`.
       page_size: required for the 2-D quantized form.
+
     Returns:
       The cache (same shape and dtype) with those rows replaced and every other byte unchanged.
       Donate ``cache`` to ``jax.jit`` to update it in place.
+
+    Raises:
+      TypeError: a wrong dtype of ``cache``, ``slots`` or ``kv``.
+      ValueError: a cache shape the format does not accept, or ``slots``/``kv`` not ``[n]``/``[n, d_qk]``.
     """
     fmt = get_format(kv_format)
     layout = cache_layout(cache, fmt, page_size)
@@ -506,6 +543,11 @@ def decode_rows(data, scales, kv_format: Union[str, KVFormat]):
 
 def dequantize_kv(cache, kv_format: Union[str, KVFormat], page_size: Optional[int] = None):
     """Dequantizes every slot of a cache.
+
+    Args:
+      cache: a cache of ``kv_format`` in any accepted shape (docs/formats.md, cache shapes).
+      kv_format: format key or :class:`KVFormat`.
+      page_size: required for the 2-D quantized form.
 
     Returns:
       ``(k, v)``: float32 ``[num_slots, d_qk]`` and ``[num_slots, d_v]`` (``v = k[:, :d_v]``).

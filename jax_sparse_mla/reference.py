@@ -1,4 +1,4 @@
-"""Pure-JAX sparse MLA (``impl="xla"``): the semantics of SPEC §4 with float32 accumulation.
+"""Pure-JAX sparse MLA (``impl="xla"``): the semantics of docs/semantics.md with float32 accumulation.
 
 Candidates are gathered with clamped slots, but every gathered value is masked (``jnp.where``) before
 use, so NaN/Inf in unreferenced slots, padding or past ``topk_length`` never reaches the result.
@@ -17,7 +17,7 @@ __all__ = ["candidate_mask", "sparse_mla_reference"]
 
 
 def candidate_mask(indices, layout: CacheLayout, fmt: KVFormat, topk_length=None):
-    """Validity of each candidate of ``indices [T, k]`` per SPEC §4 (range, topk_length, window)."""
+    """Validity of each candidate of ``indices [T, k]`` (docs/semantics.md, which candidates count)."""
     k = indices.shape[-1]
     position = jnp.arange(k, dtype=jnp.int32)
     valid = (indices >= 0) & (indices < layout.num_slots)

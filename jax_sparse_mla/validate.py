@@ -1,4 +1,4 @@
-"""Trace-time validation of ``sparse_mla`` arguments (SPEC §5) and the supported-config envelope.
+"""Trace-time validation of ``sparse_mla`` arguments (docs/errors.md) and the supported-config envelope.
 
 Everything checkable from shapes and dtypes is checked here, before anything is lowered. Wrong dtypes
 raise ``TypeError``; every other violation raises ``ValueError``. Messages name the argument, what was
@@ -181,7 +181,14 @@ def _page_rules(fmt: KVFormat) -> str:
 
 
 def supported_configs() -> dict[str, dict[str, Any]]:
-    """Per format key: its envelope as plain Python data (usable without a GPU)."""
+    """Per format key: its envelope as plain Python data (usable without a GPU).
+
+    Returns:
+      A fresh ``dict`` per call, mapping each format key to a dict with ``d_qk``, ``d_v``,
+      ``bytes_per_token``, the cache ``dtype``, the head range ``heads`` (inclusive), ``min_topk``, the
+      candidate ``window`` (None when there is none), ``page_size_rules`` (text), ``dual_cache`` and
+      ``platforms`` (per platform, its kernel ``variants`` and, for ``cuda``, the ``archs`` built).
+    """
     configs = {}
     for key, fmt in FORMATS.items():
         configs[key] = {
@@ -209,9 +216,20 @@ def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int]
                     dual_cache: bool = False) -> None:
     """Raises ``ValueError`` naming every violated axis (and its allowed values) of a configuration.
 
+    Only the axes given are checked; ``page_size`` is checked for ``>= 1`` (the format's alignment rules
+    are checked where a cache is passed).
+
     Args:
-      kv_format: format key or object. num_heads / topk / page_size: per-shard values to check.
-      platform: "cpu" or "cuda" (None: any). impl: an ``impl=`` value. dual_cache: an extra cache is used.
+      kv_format: format key or :class:`~jax_sparse_mla.KVFormat`.
+      num_heads: heads per shard.
+      topk: index row width.
+      page_size: tokens per page.
+      platform: ``"cpu"`` or ``"cuda"`` (None: any).
+      impl: an ``impl=`` value of :func:`~jax_sparse_mla.sparse_mla`.
+      dual_cache: whether an extra cache is used.
+
+    Raises:
+      ValueError: the configuration is outside the envelope, or ``kv_format`` is unknown.
     """
     problems = []
     try:

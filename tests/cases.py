@@ -1,4 +1,4 @@
-"""Builders shared by the tests: random inputs, caches in every form of SPEC §3, attention cases."""
+"""Builders shared by the tests: random inputs, caches in every accepted shape (docs/formats.md), attention cases."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ class AttentionCase:
         return call_sparse_mla(self.q, self.main.array, self.indices, **self.kwargs(impl))
 
     def check(self, impl: str):
-        """Runs the library and asserts SPEC §4's accuracy contract against the float64 oracle."""
+        """Runs the library and asserts the accuracy contract (docs/semantics.md) against the float64 oracle."""
         out, lse = self.run(impl)
         ref_out, ref_lse = self.reference()
         oracle.check_accuracy(out, lse, ref_out, ref_lse)

@@ -1,12 +1,14 @@
-"""An independent float64 numpy oracle for jax_sparse_mla, written from SPEC.md (§3 and §4).
+"""An independent float64 numpy oracle for jax_sparse_mla, written from docs/formats.md and
+docs/semantics.md.
 
 Nothing here imports ``jax_sparse_mla``: the format table, cache geometry, byte-level decoding, the
-quantizer and the attention semantics are re-derived from the specification so that the library's
+quantizer and the attention semantics are re-derived from the documentation so that the library's
 Python and C++ paths are checked against a third, simple implementation.
 
 Conventions: caches are numpy arrays (uint8 / int8 / float8_e4m3fn views of the same bytes, or
 ``ml_dtypes.bfloat16`` for the ``bf16_*`` formats). A *page image* is the packed bytes of one page
-(``page_size * bytes_per_token`` bytes); the cache forms of SPEC §3 are built from page images.
+(``page_size * bytes_per_token`` bytes); the accepted cache shapes (docs/formats.md) are built from
+page images.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ AMAX_FLOOR = np.float32(1e-4)
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One row of the SPEC §3 table, with the byte layout spelled out."""
+    """One row of the format table (docs/formats.md), with the byte layout spelled out."""
 
     key: str
     kind: str  # "inline", "footer" or "bf16"
@@ -92,7 +94,7 @@ def min_3d_page_multiple(key: str) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# Geometry (SPEC §3 "Accepted cache shapes")
+# Geometry (docs/formats.md, cache shapes and page rules)
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +121,7 @@ def _page_axis_dims(shape):
 
 
 def geometry(shape, key: str, page_size: Optional[int] = None) -> Geometry:
-    """Where the slots of a cache of this shape live, derived from SPEC §3 alone (no validation)."""
+    """Where the slots of a cache of this shape live, derived from docs/formats.md alone (no validation)."""
     spec = SPECS[key]
     shape = tuple(int(d) for d in shape)
     if spec.kind == "bf16":
@@ -199,7 +201,7 @@ def decode_tokens(data: np.ndarray, scales: Optional[np.ndarray], key: str) -> n
 
 
 def read_slots(cache: np.ndarray, key: str, slots, page_size: Optional[int] = None):
-    """Raw (data, scales) bytes of ``slots`` read through the geometry of SPEC §3."""
+    """Raw (data, scales) bytes of ``slots`` read through the cache geometry (docs/formats.md)."""
     spec = SPECS[key]
     geom = geometry(cache.shape, key, page_size)
     raw = cache_bytes(cache)
@@ -222,7 +224,7 @@ def decode(cache: np.ndarray, key: str, page_size: Optional[int] = None) -> np.n
 
 
 # --------------------------------------------------------------------------------------------------
-# Quantization (SPEC §3 "Building and updating caches")
+# Quantization (docs/formats.md, building, updating and reading caches)
 # --------------------------------------------------------------------------------------------------
 
 def pow2_exponent(ratio: np.ndarray) -> np.ndarray:
@@ -301,7 +303,7 @@ def quantize(kv: np.ndarray, key: str, page_size: int = 64) -> np.ndarray:
 
 def make_cache(pages: np.ndarray, key: str, form: str = "3d", *, row_bytes: Optional[int] = None,
                page_bytes: Optional[int] = None, fill: int = 0xFF) -> np.ndarray:
-    """Lays out quantize()'s pages in one of the forms of SPEC §3; padding bytes are ``fill``.
+    """Lays out quantize()'s pages in one of the accepted cache shapes; padding bytes are ``fill``.
 
     form: "3d", "nhd", "hnd", "2d" (quantized: [pages, page_bytes]; bf16: [slots, d_qk]).
     row_bytes: inline formats, padded row width (3-D/4-D). page_bytes: 2-D quantized page width.
@@ -344,7 +346,7 @@ def poison(cache: np.ndarray, key: str, keep_slots, page_size: Optional[int] = N
 
 
 # --------------------------------------------------------------------------------------------------
-# Attention semantics (SPEC §4)
+# Attention semantics (docs/semantics.md)
 # --------------------------------------------------------------------------------------------------
 
 def valid_candidates(indices, num_slots: int, topk_length=None, window: int = 0) -> np.ndarray:
@@ -374,7 +376,7 @@ class CandidateSource:
 
 def attention(q, sources: Sequence[CandidateSource], *, key: str, sm_scale: float, attn_sink=None,
               valid_tokens=None, window: Optional[int] = None):
-    """float64 (out [T, H, d_v], lse [T, H]) per SPEC §4; the softmax is joint over all sources.
+    """float64 (out [T, H, d_v], lse [T, H]) per docs/semantics.md; the softmax is joint over all sources.
 
     ``window`` overrides the format's candidate window (tests use 0 to show the window matters).
     """
@@ -426,11 +428,12 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 
 
 # --------------------------------------------------------------------------------------------------
-# The accuracy contract (SPEC §4)
+# The accuracy contract (docs/semantics.md, accuracy contract)
 # --------------------------------------------------------------------------------------------------
 
 def check_accuracy(out, lse, ref_out, ref_lse, *, out_tol=2e-2, l2_tol=1e-2, lse_tol=1e-3):
-    """Asserts SPEC §4's contract. Rows whose reference is empty (lse ±inf) must be exactly zero."""
+    """Asserts the accuracy contract (docs/semantics.md). Rows whose reference is empty (lse ±inf) must be
+    exactly zero."""
     out = np.asarray(out).astype(np.float64)
     lse = np.asarray(lse).astype(np.float64)
     assert out.shape == ref_out.shape, (out.shape, ref_out.shape)

@@ -1,5 +1,6 @@
-"""The public API around the op (SPEC §4-§7): merging states, jit, leading axes, vmap, T == 0, grad,
-the lowered custom call, plan()/describe(), supported_configs() and check_supported()."""
+"""The public API around the op (docs/semantics.md, docs/planning.md, docs/errors.md): merging states, jit,
+leading axes, vmap, T == 0, grad, the lowered custom call, plan()/describe(), supported_configs() and
+check_supported()."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The calibration file, the fit of calibrate() and the planner's use of both; no GPU needed."""
+"""The calibration file (docs/planning.md, calibration), the fit of calibrate() and the planner's use of both;
+no GPU needed."""
 
 from __future__ import annotations
 

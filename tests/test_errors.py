@@ -1,4 +1,4 @@
-"""SPEC §5: every trace-time rejection, with the right exception type and a message naming the argument.
+"""docs/errors.md: every trace-time rejection, with the right exception type and a message naming the argument.
 
 Wrong dtypes raise TypeError; everything else ValueError. Arguments are numpy arrays (so int64 and other
 dtypes JAX would canonicalise reach the validation as given) or ShapeDtypeStructs under eval_shape.

@@ -1,4 +1,5 @@
-"""``jax.export`` of programs that call ``sparse_mla`` (SPEC §7): round trips, T = 0, other platforms."""
+"""``jax.export`` of programs that call ``sparse_mla`` (docs/sharding_and_export.md): round trips, T = 0,
+other platforms."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §3: the format table, quantize/dequantize/update_kv bit-exactness, and accepted cache shapes."""
+"""docs/formats.md: the format table, quantize/dequantize/update_kv bit-exactness, and accepted cache shapes."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_unregistered_format_object_rejected():
 # --------------------------------------------------------------------------------------------------
 
 def crafted_rows(key: str) -> np.ndarray:
-    """Rows aimed at the rounding corners of SPEC §3's quantizer."""
+    """Rows aimed at the rounding corners of the quantizer (docs/formats.md, quantize_kv)."""
     spec = oracle.SPECS[key]
     rows = np.zeros((6, spec.d_qk), np.float32)  # row 0: an all-zero real token (clamped amax)
     rng = np.random.default_rng(7)

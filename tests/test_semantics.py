@@ -1,4 +1,5 @@
-"""SPEC §4 semantics of ``sparse_mla`` against the float64 oracle, for the CPU FFI kernel and impl="xla".
+"""The semantics of ``sparse_mla`` (docs/semantics.md) against the float64 oracle, for the CPU FFI kernel
+and impl="xla".
 
 Unless a test says otherwise, every cache slot not referenced by a valid candidate, and every padding
 byte, is 0xFF (NaN as FP8, UE8M0, FP32 and BF16): any read of an unused byte shows up as NaN.

@@ -212,8 +212,8 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   // kBitPath (bit_path_scale(scale) must hold): each e4m3 byte is moved into the BF16 bit fields with
   // integer operations (prmt, shift, and), which reads it as value · 2^-120 (subnormals included), and
   // one BF16 multiply by scale · 2^120 restores it: 4 full-rate instructions per pair of values, no
-  // conversion instructions. The e4m3 NaN codes become ±480 · scale on this path (SPEC leaves
-  // non-finite referenced payloads open); the FP32 path keeps them NaN.
+  // conversion instructions. The e4m3 NaN codes become ±480 · scale on this path (nothing is promised
+  // for non-finite referenced payloads: docs/formats.md, non-finite values); the FP32 path keeps them NaN.
   template <bool kBitPath, class Store>
   static JSMLA_DEVICE void dequantize_fp8_unit(uint4 fp8, float scale, int unit, Store& store) {
     if constexpr (kBitPath) {

@@ -27,7 +27,7 @@ def load(build_dir, name):
 
 
 def quantize_dsv32(kv):
-    """[n, 576] float32 -> [n, 656] uint8 (SPEC §3, power-of-two FP32 scales)."""
+    """[n, 576] float32 -> [n, 656] uint8 (docs/formats.md, power-of-two FP32 scales)."""
     n = kv.shape[0]
     out = np.zeros((n, 656), np.uint8)
     nope = kv[:, :512].reshape(n, 4, 128)

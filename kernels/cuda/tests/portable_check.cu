@@ -1,6 +1,6 @@
 // Standalone correctness + timing check of the portable CUDA kernels, without JAX.
 //
-// Builds caches on the host (quantized exactly as SPEC §3 describes), runs decode (split-K + combine)
+// Builds caches on the host (quantized exactly as docs/formats.md describes), runs decode (split-K + combine)
 // and prefill through the same registry the FFI handler uses, and compares with a float64 reference
 // on the dequantized cache (kernels/cpu's dequantize_row, so addressing is shared with the CPU path).
 // Outputs are poisoned with NaN before every run. Timing uses CUDA events over batches of calls that
@@ -47,7 +47,7 @@ using namespace jsmla;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// ---------------------------------------------------------------- host quantization (SPEC §3)
+// ---------------------------------------------------------------- host quantization (docs/formats.md)
 struct Fp8Table {
   std::vector<float> values;  // codes 0..126 (non-negative finite e4m3)
   Fp8Table() {
