@@ -382,7 +382,8 @@ class SparseMLA(nnx.Module):
 
 
 def with_config(block: SparseMLA, **changes) -> SparseMLA:
-    """The same parameters under a config whose fields that size no parameter differ (kv_format, impl, ...)."""
+    """The block's parameters under a config with ``changes`` that leave every parameter's shape alone
+    (``kv_format``, ``page_size``, ``impl``, ...)."""
     config = dataclasses.replace(block.config, **changes)
     abstract = nnx.eval_shape(lambda: SparseMLA(config, rngs=nnx.Rngs(0)))
     return nnx.merge(nnx.graphdef(abstract), nnx.state(block))
