@@ -1,9 +1,10 @@
 """A dense pure-JAX version of :class:`attention.SparseMLA`, to check the paged, sparse one against.
 
 The same layer written the way DeepSeek's reference prefill computes it, with nothing shared with the
-sparse path but the projections and the rotary embedding: no cache, no page table, no weight absorption
-(per-head keys ``[c_kv · W_UK ++ k_pe]`` and values ``c_kv · W_UV``, 192-lane dot products), full causal
-attention in float32 over whole sequences, and the indexer's top-k applied as a mask on it.
+sparse path but the parameters (the block's linear and norm layers) and the rotary embedding function:
+no cache, no page table, no weight absorption (``wkv_b`` expands each latent row into per-head keys
+``[k_nope ++ k_pe]`` and values, 192-lane dot products), full causal attention in float32 over whole sequences, and the
+indexer's top-k applied as a mask on it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attention import SparseMLA, rope_frequencies
+from attention import SparseMLA, rope, rope_frequencies
 
 __all__ = ["index_mask", "dense_attention"]
 
@@ -24,14 +25,21 @@ def index_mask(block: SparseMLA, x, lengths):
     Scores all pairs of the ``lengths [B]`` real tokens of each sequence of ``x [B, L, hidden]``, keeps the
     causal ones and, per query, the ``index_topk`` best (all of them when fewer are causal).
     """
-    c = block.config
+    c, indexer = block.config, block.indexer
     batch, seq_len, _ = x.shape
     position = jnp.arange(seq_len, dtype=jnp.int32)
     positions = jnp.broadcast_to(position, (batch, seq_len))
-    freqs = rope_frequencies(c)
-    _, _, qr = block.queries(x, positions)
-    q, weights = block.indexer.queries(x, qr, positions, freqs)
-    keys = block.indexer.keys(x, positions, freqs)
+    freqs, rope_dim = rope_frequencies(c), c.qk_rope_head_dim
+
+    def rope_first_lanes(v):  # the indexer's rope lanes come first and pair half-split
+        return jnp.concatenate([rope(v[..., :rope_dim], positions, freqs, interleaved=False), v[..., rope_dim:]],
+                               axis=-1)
+
+    qr = block.q_norm(block.wq_a(x).astype(jnp.float32)).astype(c.dtype)
+    q = rope_first_lanes(indexer.wq_b(qr).reshape(batch, seq_len, c.index_num_heads, c.index_head_dim))
+    q = q.astype(jnp.bfloat16)
+    keys = rope_first_lanes(indexer.k_norm(indexer.wk(x).astype(jnp.float32))).astype(jnp.bfloat16)
+    weights = indexer.weights_proj(x.astype(jnp.float32)) * (c.index_num_heads ** -0.5 * c.index_head_dim ** -0.5)
     logits = jnp.einsum("bshd,bld->bshl", q, keys, preferred_element_type=jnp.float32)
     scores = jnp.einsum("bshl,bsh->bsl", jax.nn.relu(logits), weights)
     real = position[None, :] < jnp.asarray(lengths)[:, None]  # [B, L]
@@ -53,13 +61,18 @@ def dense_attention(block: SparseMLA, x, lengths, latent_rows=None):
     c = block.config
     batch, seq_len, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+    freqs = rope_frequencies(c)
     if latent_rows is None:
-        latent_rows = block.latent_rows(x, positions)
+        kv = block.wkv_a(x).astype(jnp.float32)
+        latent_rows = jnp.concatenate([block.kv_norm(kv[..., :c.kv_lora_rank]),
+                                       rope(kv[..., c.kv_lora_rank:], positions, freqs, interleaved=True)], axis=-1)
     c_kv, k_pe = latent_rows[..., :c.kv_lora_rank], latent_rows[..., c.kv_lora_rank:]
-    q_nope, q_pe, _ = block.queries(x, positions)
-    w_uk, w_uv = (w.astype(jnp.float32) for w in block.w_uk_uv())
-    k_nope = jnp.einsum("blc,chd->blhd", c_kv, w_uk, precision=HIGHEST)
-    values = jnp.einsum("blc,chd->blhd", c_kv, w_uv, precision=HIGHEST)
+    qr = block.q_norm(block.wq_a(x).astype(jnp.float32)).astype(c.dtype)
+    q = block.wq_b(qr).reshape(batch, seq_len, c.num_heads, c.qk_head_dim)
+    q_nope, q_pe = q[..., :c.qk_nope_head_dim], rope(q[..., c.qk_nope_head_dim:], positions, freqs, interleaved=True)
+    kv = block.wkv_b(c_kv.astype(c.dtype)).astype(jnp.float32)
+    kv = kv.reshape(batch, seq_len, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+    k_nope, values = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
     keys = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (*k_nope.shape[:3], c.qk_rope_head_dim))],
                            axis=-1)
     queries = jnp.concatenate([q_nope, q_pe], axis=-1).astype(jnp.float32)  # [B, S, H, 192]
