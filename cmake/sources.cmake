@@ -1,7 +1,9 @@
 # Source lists shared by CMakeLists.txt; tests/test_build_files.py keeps BUILD's lists identical.
 set(JSMLA_CPU_SOURCES
   kernels/cpu/sparse_mla_cpu.cc
+  kernels/cpu/sparse_mla_cpu_bwd.cc
   ffi/cpu_handlers.cc
+  ffi/cpu_backward_handler.cc
 )
 set(JSMLA_CPU_MODULE_SOURCES
   ffi/cpu_module.cc

@@ -1,5 +1,6 @@
 // Buffer/attribute decoding and checks shared by the CPU and CUDA handlers. Both targets bind exactly
-// the same operands and attributes (the contract of the versioned target name in target_name.h).
+// the same operands and attributes (the contract of the versioned target name in target_name.h); the
+// backward target (backward_args.h) reuses the operand decoding.
 #pragma once
 
 #include <cstdint>
@@ -53,15 +54,15 @@ inline std::string dims_text(ffi::AnyBuffer::Dimensions dims) {
   return text + "]";
 }
 
-// Decodes every operand into `params` and checks what the kernels rely on.
-inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const CacheGeometry& main_geometry,
-                                   const CacheGeometry& extra_geometry, ffi::Buffer<ffi::BF16> q,
-                                   ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
-                                   ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
-                                   ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
-                                   ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
-                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                                   const FormatTraits** format, AttentionParams* params) {
+// Decodes the operands of the attention (everything but its results) into `params` and checks what the
+// kernels rely on. The backward target (backward_args.h) takes the same operands.
+inline ffi::Error decode_operands(int32_t kv_format, float sm_scale, const CacheGeometry& main_geometry,
+                                  const CacheGeometry& extra_geometry, ffi::Buffer<ffi::BF16> q,
+                                  ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
+                                  ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
+                                  ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
+                                  ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
+                                  const FormatTraits** format, AttentionParams* params) {
   if (kv_format < 0 || kv_format >= kNumFormats) {
     return ffi::Error::InvalidArgument("kv_format: unknown format id " + std::to_string(kv_format));
   }
@@ -102,12 +103,6 @@ inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const Cach
   if (valid_tokens.element_count() != 1) {
     return ffi::Error::InvalidArgument("valid_tokens: expected [1]");
   }
-  const auto out_dims = out->dimensions();
-  const auto lse_dims = lse->dimensions();
-  if (out_dims.size() != 3 || out_dims[0] != num_tokens || out_dims[1] != num_heads || out_dims[2] != f.d_v ||
-      lse_dims.size() != 2 || lse_dims[0] != num_tokens || lse_dims[1] != num_heads) {
-    return ffi::Error::InvalidArgument("out/lse: result shapes do not match q and the format");
-  }
 
   AttentionParams& p = *params;
   p.q = reinterpret_cast<const uint16_t*>(q.typed_data());
@@ -132,8 +127,35 @@ inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const Cach
   }
   p.attn_sink = attn_sink.element_count() ? attn_sink.typed_data() : nullptr;
   p.valid_tokens = valid_tokens.typed_data();
-  p.out = reinterpret_cast<uint16_t*>(out->typed_data());
-  p.lse = lse->typed_data();
+  return ffi::Error::Success();
+}
+
+// Decodes every operand and result of the forward call into `params` and checks what the kernels rely on.
+inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const CacheGeometry& main_geometry,
+                                   const CacheGeometry& extra_geometry, ffi::Buffer<ffi::BF16> q,
+                                   ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
+                                   ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
+                                   ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
+                                   ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
+                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                   const FormatTraits** format, AttentionParams* params) {
+  if (auto error = decode_operands(kv_format, sm_scale, main_geometry, extra_geometry, q, kv_cache, indices,
+                                   topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length,
+                                   valid_tokens, format, params);
+      error.failure()) {
+    return error;
+  }
+  const auto out_dims = out->dimensions();
+  const auto lse_dims = lse->dimensions();
+  const int64_t num_tokens = params->num_tokens;
+  const int64_t num_heads = params->num_heads;
+  if (out_dims.size() != 3 || out_dims[0] != num_tokens || out_dims[1] != num_heads ||
+      out_dims[2] != (*format)->d_v || lse_dims.size() != 2 || lse_dims[0] != num_tokens ||
+      lse_dims[1] != num_heads) {
+    return ffi::Error::InvalidArgument("out/lse: result shapes do not match q and the format");
+  }
+  params->out = reinterpret_cast<uint16_t*>(out->typed_data());
+  params->lse = lse->typed_data();
   return ffi::Error::Success();
 }
 

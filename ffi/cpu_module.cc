@@ -1,6 +1,6 @@
-// The CPU extension module: the FFI handler capsule, the C++ format table (for the layout test) and the
-// CUDA kernel tables (kernels/cuda/kernel_table.h) as plain data, so the planner can plan for CUDA on a
-// host without a GPU or a CUDA build.
+// The CPU extension module: the FFI handler capsules (forward and backward) and their target names, the
+// C++ format table (for the layout test) and the CUDA kernel tables (kernels/cuda/kernel_table.h) as plain
+// data, so the planner can plan for CUDA on a host without a GPU or a CUDA build.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -74,9 +74,12 @@ nb::dict kernel_tables() {
 
 NB_MODULE(_cpu_ext, m) {
   m.doc() = "jax_sparse_mla CPU XLA FFI handlers and kernel tables";
+  m.attr("FORWARD_TARGET") = jsmla::ffi_glue::kTargetName;
+  m.attr("BACKWARD_TARGET") = jsmla::ffi_glue::kBackwardTargetName;
   m.def("registrations", []() {
     nb::dict d;
     d[jsmla::ffi_glue::kTargetName] = nb::capsule(reinterpret_cast<void*>(JsmlaSparseMlaCpu));
+    d[jsmla::ffi_glue::kBackwardTargetName] = nb::capsule(reinterpret_cast<void*>(JsmlaSparseMlaBackwardCpu));
     return d;
   });
   m.def("format_table", []() {

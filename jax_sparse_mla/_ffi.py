@@ -16,11 +16,12 @@ import numpy as np
 from . import _cpu_ext
 from .formats import CacheLayout
 
-_CPU_REGISTRATIONS = _cpu_ext.registrations()
-#: The versioned FFI target (``ffi/target_name.h``; a changed attribute contract gets a new name).
-(TARGET,) = _CPU_REGISTRATIONS
+#: The versioned FFI targets (``ffi/target_name.h``; a changed attribute contract gets a new name): the
+#: forward, and the backward (CPU only, for now).
+TARGET = _cpu_ext.FORWARD_TARGET
+BACKWARD_TARGET = _cpu_ext.BACKWARD_TARGET
 
-for _name, _capsule in _CPU_REGISTRATIONS.items():
+for _name, _capsule in _cpu_ext.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 _CUDA_IMPORT_ERROR: Optional[ImportError] = None
@@ -76,21 +77,14 @@ def _geometry(prefix: str, layout: Optional[CacheLayout]) -> dict:
             f"{prefix}page_stride": np.int64(layout.page_stride), f"{prefix}row_stride": np.int64(layout.row_stride)}
 
 
-def call(plan, problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
-         extra_topk_length, valid_tokens):
-    """Emits the custom call for one plan. Absent optional operands are passed as empty arrays.
-
-    Args are flattened rows: q ``[T, H, d_qk]``, indices ``[T, topk]``, lengths ``[T]`` or None,
-    attn_sink ``[H]`` or None, extra arrays or None, valid_tokens an int32 scalar.
-    Returns ``(out, lse)``; the workspace output is dropped.
-    """
-    fmt = problem.fmt
-    t, h = problem.num_tokens, problem.num_heads
+def _operands(problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
+              extra_topk_length, valid_tokens):
+    """The attention's operands as both targets take them: absent optional operands as empty arrays."""
     empty_i32 = jnp.zeros((0,), jnp.int32)
     if extra_kv_cache is None:
         extra_kv_cache = jnp.zeros((0,), jnp.uint8)
-        extra_indices = jnp.zeros((t, 0), jnp.int32)
-    operands = (
+        extra_indices = jnp.zeros((problem.num_tokens, 0), jnp.int32)
+    return (
         q,
         kv_cache,
         indices,
@@ -101,14 +95,75 @@ def call(plan, problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_c
         empty_i32 if extra_topk_length is None else extra_topk_length,
         jnp.reshape(valid_tokens, (1,)),
     )
+
+
+def _format_attrs(problem) -> dict:
+    """The format and geometry attributes both targets take."""
+    attrs = {"kv_format": np.int32(problem.fmt.id), "sm_scale": np.float32(problem.sm_scale)}
+    attrs.update(_geometry("", problem.layout))
+    attrs.update(_geometry("extra_", problem.extra_layout))
+    return attrs
+
+
+def call(plan, problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
+         extra_topk_length, valid_tokens):
+    """Emits the custom call for one plan. Absent optional operands are passed as empty arrays.
+
+    Args are flattened rows: q ``[T, H, d_qk]``, indices ``[T, topk]``, lengths ``[T]`` or None,
+    attn_sink ``[H]`` or None, extra arrays or None, valid_tokens an int32 scalar.
+    Returns ``(out, lse)``; the workspace output is dropped.
+    """
+    t, h = problem.num_tokens, problem.num_heads
     results = (
-        jax.ShapeDtypeStruct((t, h, fmt.d_v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((t, h, problem.fmt.d_v), jnp.bfloat16),
         jax.ShapeDtypeStruct((t, h), jnp.float32),
         jax.ShapeDtypeStruct(plan.workspace_shape, jnp.uint8),
     )
-    attrs = {"kv_format": np.int32(fmt.id), "sm_scale": np.float32(problem.sm_scale)}
-    attrs.update(_geometry("", problem.layout))
-    attrs.update(_geometry("extra_", problem.extra_layout))
+    attrs = _format_attrs(problem)
     attrs.update({k: np.int32(v) for k, v in plan.attrs().items()})
+    operands = _operands(problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                         extra_topk_length, valid_tokens)
     out, lse, _ = jax.ffi.ffi_call(TARGET, results)(*operands, **attrs)
     return out, lse
+
+
+def backward_results(problem, kv_cache_shape, wrt, groups: int) -> dict:
+    """``{name: ShapeDtypeStruct}`` of the backward's results, in its result order: ``q``'s gradient,
+    bfloat16 ``[T, H, d_qk]``; the cache's, bfloat16 ``[groups, *kv_cache_shape]``; the sink's, float32
+    ``[groups, H]`` (one gradient of each shared operand per ``T / groups`` consecutive rows). A result
+    whose name is not in ``wrt`` is empty (``[0]``): it is not computed."""
+    t, h = problem.num_tokens, problem.num_heads
+    shapes = {"q": ((t, h, problem.fmt.d_qk), jnp.bfloat16),
+              "kv_cache": ((groups, *kv_cache_shape), jnp.bfloat16),
+              "attn_sink": ((groups, h), jnp.float32)}
+    return {name: jax.ShapeDtypeStruct(shape if name in wrt else (0,), dtype) for name, (shape, dtype) in shapes.items()}
+
+
+def call_backward(problem, arrays, lse, d_out, d_lse, *, wrt, groups: int):
+    """Emits the CPU backward custom call: the vector-Jacobian product of :func:`call`'s attention.
+
+    Args:
+      problem: the flattened call's ``Problem``.
+      arrays: the op's operands by name (flattened rows, absent optional operands left out), as for the
+        forward.
+      lse: the forward's float32 ``[T, H]``.
+      d_out: the cotangent of ``out``, bfloat16 ``[T, H, d_v]``, or None for zero.
+      d_lse: the cotangent of ``lse``, float32 ``[T, H]``, or None for zero.
+      wrt: the gradients to compute, among ``"q"``, ``"kv_cache"`` (a ``bf16_*`` cache) and ``"attn_sink"``.
+      groups: the number of gradients of each shared operand (the cache, the sink): one per ``T / groups``
+        consecutive rows (a ``jax.vmap`` batch element each, when the batch is folded into rows).
+
+    Returns:
+      ``{name: gradient}`` for the names in ``wrt`` (shapes and dtypes of :func:`backward_results`).
+    """
+    get = arrays.get
+    valid_tokens = get("valid_tokens")
+    operands = _operands(problem, get("q"), get("kv_cache"), get("indices"), get("topk_length"), get("attn_sink"),
+                         get("extra_kv_cache"), get("extra_indices"), get("extra_topk_length"),
+                         jnp.int32(problem.num_tokens) if valid_tokens is None else valid_tokens)
+    cotangents = (jnp.zeros((0,), jnp.bfloat16) if d_out is None else d_out,
+                  jnp.zeros((0,), jnp.float32) if d_lse is None else d_lse)
+    results = backward_results(problem, arrays["kv_cache"].shape, wrt, groups)
+    gradients = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results.values()))(
+        *operands, lse, *cotangents, **_format_attrs(problem), gradient_groups=np.int64(groups))
+    return {name: g for name, g in zip(results, gradients) if name in wrt}

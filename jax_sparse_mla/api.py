@@ -8,7 +8,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from . import _ffi, planner, validate
+from . import _ffi, backward, planner, validate
 from .formats import KVFormat
 from .reference import sparse_mla_reference
 
@@ -58,7 +58,11 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
     Raises:
       TypeError: wrong dtypes (docs/errors.md).
       ValueError: anything else that shapes reveal (docs/errors.md).
-      NotImplementedError: under ``jax.grad``/``jax.jvp`` (no backward pass).
+      NotImplementedError: differentiated with respect to a quantized cache (only ``bf16_*`` caches have
+        a gradient), or on CUDA with an FFI ``impl`` (no CUDA backward kernel yet: use ``impl="xla"``).
+
+    ``jax.grad``/``jax.vjp`` give gradients for ``q``, ``attn_sink`` and a ``bf16_*`` cache (docs/semantics.md,
+    differentiation); forward mode (``jax.jvp``) is not supported.
 
     Under ``jax.vmap`` the batch folds into rows (caches must not be batched). Calling this on arrays
     sharded across devices outside ``shard_map`` makes XLA gather the operands; shard per device instead.
@@ -84,22 +88,34 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
         "valid_tokens": None if valid_tokens is None else valid_tokens.reshape(()),
     }
     arrays = {k: v for k, v in arrays.items() if v is not None}
-    out, lse = _differentiation_guard(problem, arrays)
+    out, lse = _differentiable(problem, arrays)
     return out.reshape(*lead, h, d_v), lse.reshape(*lead, h)
 
 
-def _differentiation_guard(problem, arrays):
-    @jax.custom_jvp
+def _differentiable(problem, arrays):
+    """The flattened op with its reverse-mode derivative (backward.py): the forward rule keeps the operands
+    and lse, the backward rule recomputes the rest. Inside ``jax.shard_map`` the results are typed as
+    varying like the operands (backward.typed_as_varying)."""
+
+    def attend(arrays):
+        return backward.typed_as_varying(_batching_rule_op(problem)(arrays), arrays)
+
+    @jax.custom_vjp
     def op(arrays):
-        return _batching_rule_op(problem)(arrays)
+        return attend(arrays)
 
-    @op.defjvp
-    def _no_derivative(primals, tangents):
-        raise NotImplementedError(
-            "sparse_mla has no derivative: jax.grad/jax.jvp/jax.vjp through sparse_mla are not supported "
-            "(it is an inference kernel). Use jax.lax.stop_gradient on its inputs if they come from "
-            "differentiated code.")
+    def forward_rule(arrays):
+        wrt = tuple(name for name, x in arrays.items() if x.perturbed)
+        backward.check_differentiable(problem, wrt)
+        arrays = {name: x.value for name, x in arrays.items()}
+        out, lse = attend(arrays)
+        return (out, lse), backward.Residuals(arrays, lse, wrt)
 
+    def backward_rule(residuals, cotangents):
+        d_out, d_lse = cotangents
+        return (backward.vjp(problem, residuals, d_out, d_lse, forward=lambda a: _lower(problem, a)),)
+
+    op.defvjp(forward_rule, backward_rule, symbolic_zeros=True)
     return op(arrays)
 
 

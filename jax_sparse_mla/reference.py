@@ -1,7 +1,10 @@
 """Pure-JAX sparse MLA (``impl="xla"``): the semantics of docs/semantics.md with float32 accumulation.
 
 Candidates are gathered with clamped slots, but every gathered value is masked (``jnp.where``) before
-use, so NaN/Inf in unreferenced slots, padding or past ``topk_length`` never reaches the result.
+use, so NaN/Inf in unreferenced slots, padding or past ``topk_length`` never reaches the result. XLA's
+autodiff of this function is ``impl="xla"``'s gradient, so it is written to be differentiated too: masked
+and non-finite values are replaced *before* any arithmetic (a ``where`` after it would still send NaN into
+the gradient, as 0 · inf), and the empty state's ``-inf`` is a constant.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ def sparse_mla_reference(q, kv_cache, indices, *, fmt: KVFormat, layout: CacheLa
         keys = jnp.concatenate([keys, extra_keys], axis=1)
 
     qf = q.astype(jnp.float32)
+    if valid_tokens is not None:
+        row_valid = jnp.arange(num_tokens) < jnp.clip(valid_tokens, 0, num_tokens)
+        qf = jnp.where(row_valid[:, None, None], qf, 0.0)  # padding rows reach nothing, gradients included
     scores = jnp.einsum("thd,tnd->thn", qf, keys, precision=jax.lax.Precision.HIGHEST) * jnp.float32(sm_scale)
     scores = jnp.where(valid[:, None, :], scores, -jnp.inf)
     if attn_sink is not None:
@@ -65,15 +71,20 @@ def sparse_mla_reference(q, kv_cache, indices, *, fmt: KVFormat, layout: CacheLa
     logits = jnp.concatenate([scores, sink], axis=-1)
     row_max = jnp.max(logits, axis=-1, keepdims=True)
     finite_max = jnp.isfinite(row_max)
-    shift = jnp.where(finite_max, row_max, 0.0)
-    total = jnp.sum(jnp.exp(logits - shift), axis=-1, keepdims=True)
-    lse = jnp.where(finite_max, shift + jnp.log(total), row_max)  # -inf (empty) or +inf (sink = +inf)
-    weights = jnp.where(finite_max & valid[:, None, :], jnp.exp(scores - jnp.where(finite_max, lse, 0.0)), 0.0)
+    shift = jax.lax.stop_gradient(jnp.where(finite_max, row_max, 0.0))  # lse's gradient is the softmax alone
+    # A row without a finite maximum sums exp(0)s that lse does not use: exp(+inf) there would make the
+    # gradient of the unused branch 0 * inf = NaN.
+    total = jnp.sum(jnp.exp(jnp.where(finite_max, logits - shift, 0.0)), axis=-1, keepdims=True)
+    # Not finite: +inf (a +inf sink; d lse / d sink = 1, through the max) or a constant -inf (an empty state).
+    lse = jnp.where(finite_max, shift + jnp.log(total), jnp.where(row_max > 0, row_max, -jnp.inf))
+    # Masked before and after the exp: the exp of a masked or non-finite-row value is never taken, so
+    # neither the weight nor its gradient can be NaN.
+    weighted = finite_max & valid[:, None, :]
+    weights = jnp.where(weighted, jnp.exp(jnp.where(weighted, scores - jnp.where(finite_max, lse, 0.0), 0.0)), 0.0)
     values = keys[..., : fmt.d_v]
     out = jnp.einsum("thn,tnd->thd", weights, values, precision=jax.lax.Precision.HIGHEST)
     lse = lse[..., 0]
     if valid_tokens is not None:
-        row_valid = jnp.arange(num_tokens) < jnp.clip(valid_tokens, 0, num_tokens)
         out = jnp.where(row_valid[:, None, None], out, 0.0)
         lse = jnp.where(row_valid[:, None], lse, -jnp.inf)
     return out.astype(jnp.bfloat16), lse
