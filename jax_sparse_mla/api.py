@@ -108,7 +108,7 @@ def _differentiable(problem, arrays):
         wrt = tuple(name for name, x in arrays.items() if x.perturbed)
         backward.check_differentiable(problem, wrt)
         arrays = {name: x.value for name, x in arrays.items()}
-        out, lse = attend(arrays)
+        out, lse = backward.without_second_derivative(attend)(arrays)
         return (out, lse), backward.Residuals(arrays, lse, wrt)
 
     def backward_rule(residuals, cotangents):

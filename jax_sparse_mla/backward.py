@@ -27,7 +27,7 @@ from jax.interpreters import mlir
 
 from . import _ffi
 
-__all__ = ["Residuals", "check_differentiable", "typed_as_varying", "vjp"]
+__all__ = ["Residuals", "check_differentiable", "typed_as_varying", "vjp", "without_second_derivative"]
 
 # Operands with one row per query row, which the vmap rule folds (the caches and the sink are shared).
 _ROW_OPERANDS = ("q", "indices", "topk_length", "extra_indices", "extra_topk_length")
@@ -76,15 +76,32 @@ def vjp(problem, residuals: Residuals, d_out, d_lse, *, forward: Callable) -> di
     """
     d_out = None if isinstance(d_out, SymbolicZero) else d_out
     d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
-    gradients = {}
-    if d_out is not None or d_lse is not None:
-        if problem.impl == "xla":
-            gradients = _reference_vjp(forward, residuals.arrays, residuals.wrt, d_out, d_lse)
-        else:
-            gradients = _kernel_vjp(problem, residuals.wrt, 1)(residuals.arrays, residuals.lse, d_out, d_lse)
-            gradients = {name: (g if name == "q" else g[0]) for name, g in gradients.items()}  # the one group
+    if d_out is None and d_lse is None:
+        return {name: None for name in residuals.arrays}
+    if problem.impl == "xla":
+        gradients = _reference_vjp(forward, residuals.arrays, residuals.wrt, d_out, d_lse)
+    else:
+        gradients = _kernel_vjp(problem, residuals.wrt, 1)(residuals.arrays, residuals.lse, d_out, d_lse)
+        gradients = {name: (g if name == "q" else g[0]) for name, g in gradients.items()}  # the one group
     return {name: (_typed_like(gradients[name], x) if name in gradients else None)
             for name, x in residuals.arrays.items()}
+
+
+def without_second_derivative(attend: Callable) -> Callable:
+    """``attend`` for the forward rule: a second derivative would differentiate it (its lse feeds the
+    backward), which raises a ``NotImplementedError`` saying so rather than JAX's error about the custom
+    call inside."""
+
+    @jax.custom_jvp
+    def guarded(arrays):
+        return attend(arrays)
+
+    @guarded.defjvp
+    def _no_second_derivative(primals, tangents):
+        raise NotImplementedError("sparse_mla has no second derivative: differentiating jax.grad/jax.vjp of a "
+                                  "function through sparse_mla (e.g. jax.hessian) is not supported")
+
+    return guarded
 
 
 def _axes(axes) -> tuple:

@@ -4,11 +4,13 @@ Candidates are gathered with clamped slots, but every gathered value is masked (
 use, so NaN/Inf in unreferenced slots, padding or past ``topk_length`` never reaches the result. XLA's
 autodiff of this function is ``impl="xla"``'s gradient, so it is written to be differentiated too: masked
 and non-finite values are replaced *before* any arithmetic (a ``where`` after it would still send NaN into
-the gradient, as 0 · inf), and the empty state's ``-inf`` is a constant.
+the gradient, as 0 · inf), the empty state's ``-inf`` is a constant, and a bf16 cache's gradient is summed
+in float32.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -33,8 +35,33 @@ def candidate_mask(indices, layout: CacheLayout, fmt: KVFormat, topk_length=None
 
 def _gather_keys(cache, layout, fmt, indices, valid):
     slots = jnp.where(valid, indices, 0)
-    keys = decode_rows(*gather_rows(cache, layout, fmt, slots), fmt)
+    if fmt.quantized:
+        keys = decode_rows(*gather_rows(cache, layout, fmt, slots), fmt)
+    else:
+        keys = _bf16_rows(layout, fmt, cache, slots)
     return jnp.where(valid[..., None], keys, 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _bf16_rows(layout, fmt, cache, slots):
+    """The float32 K rows of ``slots`` of a ``bf16_*`` cache. Its gradient adds every row's cotangents in
+    float32 and rounds the sum to the cache's bfloat16 once: XLA's own transpose of the gather would add
+    them in bfloat16, which loses most of a slot's gradient when many queries share it."""
+    return decode_rows(*gather_rows(cache, layout, fmt, slots), fmt)
+
+
+def _bf16_rows_forward(layout, fmt, cache, slots):
+    return _bf16_rows(layout, fmt, cache, slots), (cache, slots)
+
+
+def _bf16_rows_backward(layout, fmt, residuals, d_rows):
+    cache, slots = residuals
+    # Every accepted bf16 cache shape holds dense rows in slot order.
+    rows = jnp.zeros((layout.num_slots, fmt.d_qk), jnp.float32).at[slots.reshape(-1)].add(d_rows.reshape(-1, fmt.d_qk))
+    return rows.reshape(cache.shape).astype(cache.dtype), None
+
+
+_bf16_rows.defvjp(_bf16_rows_forward, _bf16_rows_backward)
 
 
 def sparse_mla_reference(q, kv_cache, indices, *, fmt: KVFormat, layout: CacheLayout, sm_scale: float,

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla.export import export
 
 import cases
 import oracle
@@ -249,6 +250,14 @@ def test_bf16_cache_gradient_in_every_cache_shape(rng, impl, key, form):
     unreferenced = ~np.isin(np.arange(case.main.num_slots),
                             case.indices[oracle.valid_candidates(case.indices, case.main.num_slots, case.topk_length)])
     assert unreferenced.any() and np.all(grads["kv_cache"][unreferenced] == 0)
+
+
+def test_cache_gradient_of_heavily_shared_slots(rng, impl):
+    """128 rows of 64 candidates over 16 slots: each slot's gradient sums about 500 contributions per head,
+    which a bfloat16 accumulation (XLA's own transpose of the gather) gets wrong by several percent."""
+    case = make_case(rng, "bf16_576", num_tokens=128, num_heads=4, topk=64, page_size=4, cache_tokens=16,
+                     attn_sink=rng.standard_normal(4), topk_length=None, invalid_fraction=0.05)
+    check_case(rng, case, impl)
 
 
 @pytest.mark.parametrize("key", ["dsv3_2", "dsv4", "bf16_576"])
@@ -524,6 +533,33 @@ def test_forward_mode_is_not_supported(rng):
     q = arrays.pop("q")
     with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
         jax.jvp(lambda q: attend(static, {**arrays, "q": q}), (q,), (jnp.ones_like(q),))
+
+
+def test_second_derivatives_are_not_supported(rng, impl):
+    case = make_case(rng, "bf16_576", num_tokens=2, num_heads=2, topk=4, page_size=4)
+    static, arrays = case_arrays(case, impl)
+    q = arrays.pop("q")
+
+    def first(q):
+        return attend(static, {**arrays, "q": q})[0].astype(jnp.float32).sum()
+
+    with pytest.raises(NotImplementedError, match="^sparse_mla has no second derivative"):
+        jax.grad(lambda q: jax.grad(first)(q).astype(jnp.float32).sum())(q)
+
+
+def test_exported_gradient_round_trip(rng):
+    """A jitted gradient exports (both targets have disabled_checks()) and the deserialised program gives
+    the same bits."""
+    pytest.importorskip("flatbuffers", reason="jax.export serialisation needs the 'flatbuffers' package")
+    case = make_case(rng, "bf16_576", num_tokens=3, num_heads=2, topk=6, page_size=4,
+                     attn_sink=rng.standard_normal(2))
+    static, arrays = case_arrays(case, "auto")
+    wrt = {name: arrays.pop(name) for name in ("q", "kv_cache", "attn_sink")}
+    gradient = jax.jit(jax.grad(lambda w: attend(static, {**arrays, **w})[1].sum()))
+    restored = jax.export.deserialize(export(gradient, wrt).serialize())
+    want = gradient(wrt)
+    for name, g in restored.call(wrt).items():
+        np.testing.assert_array_equal(_bits(g), _bits(want[name]), err_msg=name)
 
 
 def test_cuda_lowering_of_the_kernel_backward_is_refused(rng):
