@@ -136,7 +136,8 @@ def backward_results(problem, kv_cache_shape, wrt, groups: int) -> dict:
     shapes = {"q": ((t, h, problem.fmt.d_qk), jnp.bfloat16),
               "kv_cache": ((groups, *kv_cache_shape), jnp.bfloat16),
               "attn_sink": ((groups, h), jnp.float32)}
-    return {name: jax.ShapeDtypeStruct(shape if name in wrt else (0,), dtype) for name, (shape, dtype) in shapes.items()}
+    return {name: jax.ShapeDtypeStruct(shape if name in wrt else (0,), dtype)
+            for name, (shape, dtype) in shapes.items()}
 
 
 def call_backward(problem, arrays, lse, d_out, d_lse, *, wrt, groups: int):

@@ -59,10 +59,11 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       TypeError: wrong dtypes (docs/errors.md).
       ValueError: anything else that shapes reveal (docs/errors.md).
       NotImplementedError: differentiated with respect to a quantized cache (only ``bf16_*`` caches have
-        a gradient), or on CUDA with an FFI ``impl`` (no CUDA backward kernel yet: use ``impl="xla"``).
+        a gradient), on CUDA with an FFI ``impl`` (no CUDA backward kernel yet: use ``impl="xla"``), or
+        twice (no second derivative).
 
     ``jax.grad``/``jax.vjp`` give gradients for ``q``, ``attn_sink`` and a ``bf16_*`` cache (docs/semantics.md,
-    differentiation); forward mode (``jax.jvp``) is not supported.
+    differentiation); forward mode (``jax.jvp``) raises JAX's ``TypeError`` for ``custom_vjp`` functions.
 
     Under ``jax.vmap`` the batch folds into rows (caches must not be batched). Calling this on arrays
     sharded across devices outside ``shard_map`` makes XLA gather the operands; shard per device instead.

@@ -135,7 +135,7 @@ def attend(static, arrays):
     return jsm.sparse_mla(arrays.pop("q"), arrays.pop("kv_cache"), arrays.pop("indices"), **static, **arrays)
 
 
-def library_vjp(case: cases.AttentionCase, impl: str, d_out, d_lse, wrt=None, jit=True):
+def library_vjp(case: cases.AttentionCase, impl: str, d_out, d_lse, wrt=None):
     """``(out, lse, {name: cotangent})`` of the library for cotangents ``d_out``/``d_lse``; cotangents as
     float64, the cache's reshaped to [num_slots, d_qk]."""
     static, arrays = case_arrays(case, impl)
@@ -146,7 +146,9 @@ def library_vjp(case: cases.AttentionCase, impl: str, d_out, d_lse, wrt=None, ji
         (out, lse), pullback = jax.vjp(lambda w: attend(static, {**arrays, **w}), wrt_arrays)
         return out, lse, pullback((d_out, d_lse))[0]
 
-    out, lse, grads = (jax.jit(run) if jit else run)(wrt_arrays, arrays, jnp.asarray(d_out), jnp.asarray(d_lse))
+    out, lse, grads = jax.jit(run)(wrt_arrays, arrays, jnp.asarray(d_out), jnp.asarray(d_lse))
+    for name, g in grads.items():  # each gradient has its operand's shape and dtype
+        assert g.shape == wrt_arrays[name].shape and g.dtype == wrt_arrays[name].dtype, name
     grads = {name: np.asarray(g).astype(np.float64) for name, g in grads.items()}
     if "kv_cache" in grads:
         grads["kv_cache"] = grads["kv_cache"].reshape(case.main.num_slots, -1)
@@ -242,11 +244,7 @@ def test_bf16_cache_gradient_in_every_cache_shape(rng, impl, key, form):
     indices = case.indices.copy()
     indices[:, :4] = [3, 3, 5, 7]  # shared by every row, slot 3 twice per row
     case = dataclasses.replace(case, indices=indices).poison_unused()
-    static, arrays = case_arrays(case, impl)
-    grad = jax.jit(jax.grad(lambda c: attend(static, {**arrays, "kv_cache": c})[0].astype(jnp.float32).sum()))(
-        arrays["kv_cache"])
-    assert grad.shape == case.main.array.shape and grad.dtype == jnp.bfloat16
-    grads, ref = check_case(rng, case, impl)
+    grads, ref = check_case(rng, case, impl)  # checks the gradient's shape and dtype too
     unreferenced = ~np.isin(np.arange(case.main.num_slots),
                             case.indices[oracle.valid_candidates(case.indices, case.main.num_slots, case.topk_length)])
     assert unreferenced.any() and np.all(grads["kv_cache"][unreferenced] == 0)
@@ -397,7 +395,7 @@ def _bits(x):
 
 
 def test_leading_axes_and_eager(rng, impl):
-    """q [B, S, H, d] gives the flattened call's gradients, bit for bit, jitted or not."""
+    """q [B, S, H, d] gives the flattened call's gradients, bit for bit, jitted or (the kernel) not."""
     case = make_case(rng, "bf16_576", num_tokens=6, num_heads=3, topk=10, page_size=4,
                      attn_sink=rng.standard_normal(3), valid_tokens=np.int32(5))
     static, arrays = case_arrays(case, impl)
@@ -414,11 +412,13 @@ def test_leading_axes_and_eager(rng, impl):
 
     flat = jax.jit(vjp, static_argnums=1)(dict(arrays), (6,))
     batched = jax.jit(vjp, static_argnums=1)(dict(arrays), (2, 3))
-    eager = vjp(dict(arrays), (2, 3))
     assert batched["q"].shape == (2, 3, 3, 576)
     for name in flat:
         np.testing.assert_array_equal(_bits(batched[name]).reshape(-1), _bits(flat[name]).reshape(-1))
-        np.testing.assert_array_equal(_bits(eager[name]).reshape(-1), _bits(flat[name]).reshape(-1))
+    if impl == "auto":  # op by op, impl="xla" is slow and lets XLA fuse differently
+        eager = vjp(dict(arrays), (2, 3))
+        for name in flat:
+            np.testing.assert_array_equal(_bits(eager[name]).reshape(-1), _bits(flat[name]).reshape(-1))
 
 
 @pytest.mark.parametrize("order", ["vmap_of_grad", "grad_of_vmap"])
@@ -431,7 +431,8 @@ def test_vmap_and_grad_compose(rng, impl, order):
                      attn_sink=rng.standard_normal(3), poison=False)
     indices = np.stack([cases.random_indices(rng, 4, 10, case.main.num_slots) for _ in range(batch)])
     lengths = rng.integers(-1, 12, (batch, 4)).astype(np.int32)
-    referenced = np.concatenate([i[oracle.valid_candidates(i, case.main.num_slots, n)] for i, n in zip(indices, lengths)])
+    referenced = np.concatenate([i[oracle.valid_candidates(i, case.main.num_slots, n)]
+                                 for i, n in zip(indices, lengths)])
     case = dataclasses.replace(case, main=case.main.poisoned(referenced))
     static, arrays = case_arrays(case, impl)
     qs = jnp.asarray(cases.random_q(rng, (batch, *case.q.shape)))
@@ -465,7 +466,12 @@ def test_vmap_and_grad_compose(rng, impl, order):
     else:
         check_gradient("q", np.asarray(dq, np.float64), want_dq.astype(np.float64))
     assert np.all(np.asarray(dq[2], np.float32) == 0), "element 2 has valid_tokens = 0"
-    check_gradient("kv_cache", np.asarray(dcache, np.float64), want_cache)
+    # The loop's sum of rounded per-element gradients can cancel to an exact zero where the folded
+    # kernel's float32 sum does not; slots that no element references are zero either way.
+    check_gradient("kv_cache", np.asarray(dcache, np.float64), want_cache, exact_zeros=False)
+    unreferenced = ~np.isin(np.arange(case.main.num_slots), referenced)
+    dcache_rows = np.asarray(dcache, np.float32).reshape(case.main.num_slots, -1)
+    assert unreferenced.any() and np.all(dcache_rows[unreferenced] == 0)
     check_gradient("attn_sink", np.asarray(dsink, np.float64), want_sink, max_tol=1e-5, l2_tol=1e-5)
 
 
@@ -521,7 +527,7 @@ def test_quantized_caches_are_not_differentiable(rng, impl, name):
 def test_integer_operands_get_no_gradient(rng, impl):
     case = make_case(rng, "bf16_576", num_tokens=3, num_heads=2, topk=6, page_size=4, valid_tokens=np.int32(2))
     static, arrays = case_arrays(case, impl)
-    grads = jax.grad(lambda a: attend(static, a)[0].astype(jnp.float32).sum(), allow_int=True)(arrays)
+    grads = jax.jit(jax.grad(lambda a: attend(static, a)[0].astype(jnp.float32).sum(), allow_int=True))(arrays)
     for name in ("indices", "topk_length", "valid_tokens"):
         assert grads[name].dtype == jax.dtypes.float0, name
     assert grads["q"].dtype == jnp.bfloat16 and grads["kv_cache"].dtype == jnp.bfloat16
@@ -644,7 +650,8 @@ def _check_sharded_gradient(axis_kind):
 
     want = jax.jit(jax.grad(loss))({k: full_arrays[k] for k in wrt})
     np.testing.assert_array_equal(_bits(got["q"]), _bits(want["q"]))
-    check_gradient("kv_cache", np.asarray(got["kv_cache"], np.float64), np.asarray(want["kv_cache"], np.float64))
+    check_gradient("kv_cache", np.asarray(got["kv_cache"], np.float64), np.asarray(want["kv_cache"], np.float64),
+                   exact_zeros=False)  # the shards' parts are rounded before they are summed
     check_gradient("attn_sink", np.asarray(got["attn_sink"], np.float64), np.asarray(want["attn_sink"], np.float64),
                    max_tol=1e-5, l2_tol=1e-5)
 

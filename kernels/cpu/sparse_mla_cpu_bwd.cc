@@ -58,9 +58,28 @@ JSMLA_VECTOR_CLONES float dot_product(const float* a, const float* b, int n) {
   return sum;
 }
 
+// dot_product(a, b, n) with `a` given as bf16 bits, converted on the fly: the same products in the same
+// order, so the same bits as dot_product of the converted row.
+JSMLA_VECTOR_CLONES float dot_product_bf16(const uint16_t* a, const float* b, int n) {
+  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) partial[k] += bf16_to_float(a[i + k]) * b[i + k];
+  }
+  float sum = 0.0f;
+  for (; i < n; ++i) sum += bf16_to_float(a[i]) * b[i];
+  for (float x : partial) sum += x;
+  return sum;
+}
+
 // acc[0, n) += weight * v[0, n)
 JSMLA_VECTOR_CLONES void scaled_add(float* acc, float weight, const float* v, int n) {
   for (int d = 0; d < n; ++d) acc[d] += weight * v[d];
+}
+
+// scaled_add with `v` given as bf16 bits.
+JSMLA_VECTOR_CLONES void scaled_add_bf16(float* acc, float weight, const uint16_t* v, int n) {
+  for (int d = 0; d < n; ++d) acc[d] += weight * bf16_to_float(v[d]);
 }
 
 void load_bf16(const uint16_t* bits, int n, float* out) {
@@ -117,31 +136,33 @@ void collect_candidates(const CandidateList& list, int64_t t, std::vector<Candid
 struct RowScratch {
   std::vector<Candidate> candidates;
   std::vector<float> keys;          // [n, d_qk] dequantized candidate rows
-  std::vector<float> query;         // [d_qk]
-  std::vector<float> d_out;         // [d_v]
-  std::vector<float> weights;       // [n] P_j of one head
-  std::vector<float> d_weights;     // [n] dP_j of one head
-  std::vector<float> coefficients;  // [heads, n] sm_scale * dS_j
+  std::vector<float> queries;       // [heads, d_qk]
+  std::vector<float> d_out;         // [heads, d_v]
+  std::vector<float> weights;       // [heads, n] P_j
+  std::vector<float> d_weights;     // [heads, n] dP_j, then sm_scale * dS_j
   std::vector<float> accumulator;   // [heads, d_qk] d_q
 };
 
-// Pass 1 for heads [h0, h1) of token t (< valid_tokens): d_q, D (`d_rows`) and the sink terms.
+// Pass 1 for heads [h0, h1) of token t (< valid_tokens): d_q, D (`d_rows`) and the sink terms. Loops run
+// candidate-major, so each dequantized row is read once per pass while the block's rows stay in cache.
 void backward_rows(const FormatTraits& f, const BackwardParams& p, int64_t t, int h0, int h1, double* d_rows,
                    double* sink_terms, RowScratch& s) {
   const AttentionParams& a = p.forward;
   const int d_qk = f.d_qk;
   const int d_v = f.d_v;
-  const int heads = h1 - h0;
+  const int row_heads = h1 - h0;
   const int64_t row0 = t * a.num_heads + h0;  // flattened (t, h0)
-  bool any_finite = false;
-  for (int h = 0; h < heads; ++h) {
+  // The heads with weight on candidates (a finite lse), in order; an infinite sink holds all the weight of
+  // a head, so d lse / d sink = 1 and nothing else depends on the head's inputs.
+  int active[kHeadsPerWorkItem];
+  int heads = 0;
+  for (int h = 0; h < row_heads; ++h) {
     const float lse = p.lse[row0 + h];
-    any_finite |= std::isfinite(lse);
-    // All the weight on an infinite sink: d lse / d sink = 1, and out = 0 does not depend on anything.
+    if (std::isfinite(lse)) active[heads++] = h;
     if (sink_terms != nullptr && lse == kInf && p.d_lse != nullptr) sink_terms[row0 + h] = p.d_lse[row0 + h];
   }
-  if (p.d_q != nullptr) std::fill(p.d_q + row0 * d_qk, p.d_q + (row0 + heads) * d_qk, static_cast<uint16_t>(0));
-  if (!any_finite) return;
+  if (p.d_q != nullptr) std::fill(p.d_q + row0 * d_qk, p.d_q + (row0 + row_heads) * d_qk, static_cast<uint16_t>(0));
+  if (heads == 0) return;
 
   s.candidates.clear();
   collect_candidates(a.main, t, s.candidates);
@@ -151,53 +172,55 @@ void backward_rows(const FormatTraits& f, const BackwardParams& p, int64_t t, in
   for (int64_t j = 0; j < n; ++j) {
     dequantize_key_row(f, *s.candidates[j].cache, s.candidates[j].slot, s.keys.data() + j * d_qk);
   }
-  s.query.resize(d_qk);
-  s.d_out.resize(d_v);
-  s.weights.resize(n);
-  s.d_weights.resize(n);
-  s.coefficients.assign(static_cast<size_t>(heads) * n, 0.0f);
-  for (int h = 0; h < heads; ++h) {
-    const int64_t row = row0 + h;
-    const float lse = p.lse[row];
-    if (!std::isfinite(lse)) continue;
-    load_bf16(a.q + row * d_qk, d_qk, s.query.data());
-    if (p.d_out != nullptr) load_bf16(p.d_out + row * d_v, d_v, s.d_out.data());
-    const float d_lse = p.d_lse != nullptr ? p.d_lse[row] : 0.0f;
-    double d_row = 0.0;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* key = s.keys.data() + j * d_qk;
-      s.weights[j] = attention_weight(a.sm_scale * dot_product(s.query.data(), key, d_qk), lse);
-      s.d_weights[j] = p.d_out != nullptr ? dot_product(s.d_out.data(), key, d_v) : 0.0f;
-      d_row += static_cast<double>(s.weights[j]) * s.d_weights[j];
+  s.queries.resize(static_cast<size_t>(heads) * d_qk);
+  s.d_out.resize(static_cast<size_t>(heads) * d_v);
+  for (int i = 0; i < heads; ++i) {
+    const int64_t row = row0 + active[i];
+    load_bf16(a.q + row * d_qk, d_qk, &s.queries[static_cast<size_t>(i) * d_qk]);
+    if (p.d_out != nullptr) load_bf16(p.d_out + row * d_v, d_v, &s.d_out[static_cast<size_t>(i) * d_v]);
+  }
+  s.weights.resize(static_cast<size_t>(heads) * n);
+  s.d_weights.resize(static_cast<size_t>(heads) * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* key = s.keys.data() + j * d_qk;
+    for (int i = 0; i < heads; ++i) {
+      const float score = a.sm_scale * dot_product(&s.queries[static_cast<size_t>(i) * d_qk], key, d_qk);
+      s.weights[i * n + j] = attention_weight(score, p.lse[row0 + active[i]]);
+      const float* d_out = &s.d_out[static_cast<size_t>(i) * d_v];
+      s.d_weights[i * n + j] = p.d_out != nullptr ? dot_product(d_out, key, d_v) : 0.0f;
     }
-    float* coefficients = &s.coefficients[static_cast<size_t>(h) * n];
+  }
+  for (int i = 0; i < heads; ++i) {
+    const int64_t row = row0 + active[i];
+    const float* weights = &s.weights[i * n];
+    float* coefficients = &s.d_weights[i * n];
+    double d_row = 0.0;
+    for (int64_t j = 0; j < n; ++j) d_row += static_cast<double>(weights[j]) * coefficients[j];
+    const float d_lse = p.d_lse != nullptr ? p.d_lse[row] : 0.0f;
     for (int64_t j = 0; j < n; ++j) {
-      coefficients[j] = key_coefficient(a.sm_scale, s.weights[j], s.d_weights[j], d_row, d_lse);
+      coefficients[j] = key_coefficient(a.sm_scale, weights[j], coefficients[j], d_row, d_lse);
     }
     d_rows[row] = d_row;
-    if (sink_terms != nullptr && a.attn_sink != nullptr && a.attn_sink[h0 + h] > -kInf) {
-      const double sink_weight = std::exp(static_cast<double>(a.attn_sink[h0 + h]) - lse);
+    if (sink_terms != nullptr && a.attn_sink != nullptr && a.attn_sink[h0 + active[i]] > -kInf) {
+      const double sink_weight = std::exp(static_cast<double>(a.attn_sink[h0 + active[i]]) - p.lse[row]);
       sink_terms[row] = sink_weight * (d_lse - d_row);
     }
   }
   if (p.d_q == nullptr) return;
-  // Candidate-major, so each key row is read once while the block's accumulators stay in cache.
   s.accumulator.assign(static_cast<size_t>(heads) * d_qk, 0.0f);
   for (int64_t j = 0; j < n; ++j) {
     const float* key = s.keys.data() + j * d_qk;
-    for (int h = 0; h < heads; ++h) {
-      if (!std::isfinite(p.lse[row0 + h])) continue;
-      scaled_add(&s.accumulator[static_cast<size_t>(h) * d_qk], s.coefficients[static_cast<size_t>(h) * n + j],
-                 key, d_qk);
+    for (int i = 0; i < heads; ++i) {
+      scaled_add(&s.accumulator[static_cast<size_t>(i) * d_qk], s.d_weights[i * n + j], key, d_qk);
     }
   }
-  store_bf16(s.accumulator.data(), heads * d_qk, p.d_q + row0 * d_qk);
+  for (int i = 0; i < heads; ++i) {
+    store_bf16(&s.accumulator[static_cast<size_t>(i) * d_qk], d_qk, p.d_q + (row0 + active[i]) * d_qk);
+  }
 }
 
 struct SlotScratch {
   std::vector<float> key;          // [d_qk]
-  std::vector<float> query;        // [d_qk]
-  std::vector<float> d_out;        // [d_v]
   std::vector<float> accumulator;  // [d_qk]
 };
 
@@ -232,8 +255,6 @@ void cache_gradient(const FormatTraits& f, const BackwardParams& p, int64_t vali
   const int64_t work_items = (output_rows + kSlotsPerWorkItem - 1) / kSlotsPerWorkItem;
   parallel_for<SlotScratch>(work_items, num_threads, [&](int64_t item, SlotScratch& s) {
     s.key.resize(d_qk);
-    s.query.resize(d_qk);
-    s.d_out.resize(d_v);
     s.accumulator.resize(d_qk);
     const int64_t end = std::min(output_rows, (item + 1) * kSlotsPerWorkItem);
     for (int64_t output_row = item * kSlotsPerWorkItem; output_row < end; ++output_row) {
@@ -250,17 +271,14 @@ void cache_gradient(const FormatTraits& f, const BackwardParams& p, int64_t vali
           const int64_t row = t * a.num_heads + h;
           const float lse = p.lse[row];
           if (!std::isfinite(lse)) continue;  // no weight on any candidate: q and d_out of the row are never read
-          load_bf16(a.q + row * d_qk, d_qk, s.query.data());
-          const float weight = attention_weight(a.sm_scale * dot_product(s.query.data(), s.key.data(), d_qk), lse);
-          float d_weight = 0.0f;
-          if (p.d_out != nullptr) {
-            load_bf16(p.d_out + row * d_v, d_v, s.d_out.data());
-            d_weight = dot_product(s.d_out.data(), s.key.data(), d_v);
-          }
+          const uint16_t* query = a.q + row * d_qk;
+          const uint16_t* d_out = p.d_out != nullptr ? p.d_out + row * d_v : nullptr;
+          const float weight = attention_weight(a.sm_scale * dot_product_bf16(query, s.key.data(), d_qk), lse);
+          const float d_weight = d_out != nullptr ? dot_product_bf16(d_out, s.key.data(), d_v) : 0.0f;
           const float d_lse = p.d_lse != nullptr ? p.d_lse[row] : 0.0f;
-          scaled_add(s.accumulator.data(), key_coefficient(a.sm_scale, weight, d_weight, d_rows[row], d_lse),
-                     s.query.data(), d_qk);
-          if (p.d_out != nullptr) scaled_add(s.accumulator.data(), weight, s.d_out.data(), d_v);
+          scaled_add_bf16(s.accumulator.data(), key_coefficient(a.sm_scale, weight, d_weight, d_rows[row], d_lse),
+                          query, d_qk);
+          if (d_out != nullptr) scaled_add_bf16(s.accumulator.data(), weight, d_out, d_v);
         }
       }
       store_bf16(s.accumulator.data(), d_qk, out);
