@@ -475,6 +475,30 @@ def test_vmap_and_grad_compose(rng, impl, order):
     check_gradient("attn_sink", np.asarray(dsink, np.float64), want_sink, max_tol=1e-5, l2_tol=1e-5)
 
 
+def test_nested_vmap_of_grad(rng):
+    """vmap of vmap of the kernel's gradient (an unbatched valid_tokens): every element's gradients, of the
+    shared cache and sink too, equal its own call's bit for bit."""
+    case = make_case(rng, "bf16_512", num_tokens=4, num_heads=2, topk=6, page_size=4,
+                     attn_sink=rng.standard_normal(2), poison=False)
+    static, arrays = case_arrays(case, "auto")
+    qs = jnp.asarray(cases.random_q(rng, (2, 3, *case.q.shape)))
+    indices = jnp.asarray(cases.random_indices(rng, 24, 6, case.main.num_slots).reshape(2, 3, 4, 6))
+
+    def loss(q, cache, sink, indices):
+        out, lse = attend(static, dict(q=q, kv_cache=cache, attn_sink=sink, indices=indices,
+                                       valid_tokens=jnp.int32(3)))
+        return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    inner = jax.vmap(grad, in_axes=(0, None, None, 0))
+    nested = jax.jit(jax.vmap(inner, in_axes=(0, None, None, 0)))(qs, arrays["kv_cache"], arrays["attn_sink"], indices)
+    for a in range(2):
+        for b in range(3):
+            want = jax.jit(grad)(qs[a, b], arrays["kv_cache"], arrays["attn_sink"], indices[a, b])
+            for got, expected in zip(nested, want):
+                np.testing.assert_array_equal(_bits(got[a, b]), _bits(expected))
+
+
 # --------------------------------------------------------------------------------------------------
 # Determinism
 # --------------------------------------------------------------------------------------------------
