@@ -17,10 +17,12 @@ import numpy as np
 from . import kernel_tables
 from .formats import FORMATS, CacheLayout, KVFormat, cache_layout, get_format
 
-__all__ = ["ENVELOPE", "IMPLS", "Problem", "normalize", "supported_configs", "check_supported"]
+__all__ = ["ENVELOPE", "IMPLS", "PRECISIONS", "Problem", "normalize", "supported_configs", "check_supported"]
 
 #: Values of ``impl=``.
 IMPLS = ("auto", "decode", "prefill", "xla")
+#: Values of ``precision=``: 16-bit compute, or the query quantized to FP8 (docs/semantics.md).
+PRECISIONS = ("bf16", "fp8")
 
 #: The one envelope table used by validation, planning and ``supported_configs()``.
 ENVELOPE = {
@@ -48,6 +50,7 @@ class Problem:
     extra_layout: Optional[CacheLayout]
     sm_scale: float
     impl: str
+    precision: str = "bf16"
     batch_invariant: bool = False
 
 
@@ -93,13 +96,17 @@ def _check_lengths(name, x, lead):
 
 def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk_length=None, attn_sink=None,
               extra_kv_cache=None, extra_indices=None, extra_topk_length=None, extra_page_size=None,
-              valid_tokens=None, impl="auto", batch_invariant=False) -> Problem:
+              valid_tokens=None, impl="auto", batch_invariant=False, precision="bf16") -> Problem:
     """Validates every argument of :func:`jax_sparse_mla.sparse_mla` and returns the static :class:`Problem`."""
     fmt = get_format(kv_format)
     if not isinstance(impl, str):
         raise TypeError(f"impl: expected one of {IMPLS}, got {type(impl).__name__}")
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if not isinstance(precision, str):
+        raise TypeError(f"precision: expected one of {PRECISIONS}, got {type(precision).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"sm_scale: expected a Python float (static), got {_describe(sm_scale)}")
     sm_scale = float(sm_scale)
@@ -165,7 +172,7 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
 
     return Problem(fmt=fmt, lead_shape=lead, num_tokens=num_tokens, num_heads=num_heads, topk=int(topk),
                    extra_topk=int(extra_topk), layout=layout, extra_layout=extra_layout, sm_scale=sm_scale,
-                   impl=impl, batch_invariant=bool(batch_invariant))
+                   impl=impl, batch_invariant=bool(batch_invariant), precision=precision)
 
 
 def _page_rules(fmt: KVFormat) -> str:
