@@ -13,8 +13,9 @@
 namespace jsmla::ffi_glue {
 
 // Decodes every operand and result of a backward call into `params` and checks what the kernels rely on.
-inline ffi::Error decode_backward(int32_t kv_format, float sm_scale, const CacheGeometry& main_geometry,
-                                  const CacheGeometry& extra_geometry, ffi::Buffer<ffi::BF16> q,
+inline ffi::Error decode_backward(int32_t kv_format, int32_t extra_kv_format, float sm_scale,
+                                  const CacheGeometry& main_geometry, const CacheGeometry& extra_geometry,
+                                  ffi::Buffer<ffi::BF16> q,
                                   ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
                                   ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
                                   ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
@@ -25,9 +26,9 @@ inline ffi::Error decode_backward(int32_t kv_format, float sm_scale, const Cache
                                   ffi::Result<ffi::Buffer<ffi::F32>> d_attn_sink, int64_t gradient_groups,
                                   const FormatTraits** format, BackwardParams* params) {
   AttentionParams& forward = params->forward;
-  if (auto error = decode_operands(kv_format, sm_scale, main_geometry, extra_geometry, q, kv_cache, indices,
-                                   topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length,
-                                   valid_tokens, format, &forward);
+  if (auto error = decode_operands(kv_format, extra_kv_format, sm_scale, main_geometry, extra_geometry, q,
+                                   kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                                   extra_topk_length, valid_tokens, format, &forward);
       error.failure()) {
     return error;
   }
@@ -104,6 +105,7 @@ auto bind_backward(Binding binding) {
       .template Ret<ffi::Buffer<ffi::BF16>>()              // d_kv_cache ([G, *the bf16 cache's shape] or [0])
       .template Ret<ffi::Buffer<ffi::F32>>()               // d_attn_sink ([G, H] or [0])
       .template Attr<int32_t>("kv_format")
+      .template Attr<int32_t>("extra_kv_format")
       .template Attr<float>("sm_scale")
       .template Attr<int64_t>("page_size")
       .template Attr<int64_t>("num_pages")

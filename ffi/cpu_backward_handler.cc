@@ -33,14 +33,15 @@ ffi::Error SparseMlaBackwardCpu(ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cach
                                 ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> d_out, ffi::Buffer<ffi::F32> d_lse,
                                 ffi::Result<ffi::Buffer<ffi::BF16>> d_q,
                                 ffi::Result<ffi::Buffer<ffi::BF16>> d_kv_cache,
-                                ffi::Result<ffi::Buffer<ffi::F32>> d_attn_sink, int32_t kv_format, float sm_scale,
+                                ffi::Result<ffi::Buffer<ffi::F32>> d_attn_sink, int32_t kv_format,
+                                int32_t extra_kv_format, float sm_scale,
                                 int64_t page_size, int64_t num_pages, int64_t page_stride, int64_t row_stride,
                                 int64_t extra_page_size, int64_t extra_num_pages, int64_t extra_page_stride,
                                 int64_t extra_row_stride, int64_t gradient_groups) {
   const FormatTraits* format = nullptr;
   BackwardParams params;
   ffi::Error error = decode_backward(
-      kv_format, sm_scale, {page_size, num_pages, page_stride, row_stride},
+      kv_format, extra_kv_format, sm_scale, {page_size, num_pages, page_stride, row_stride},
       {extra_page_size, extra_num_pages, extra_page_stride, extra_row_stride}, q, kv_cache, indices, topk_length,
       attn_sink, extra_kv_cache, extra_indices, extra_topk_length, valid_tokens, lse, d_out, d_lse, d_q, d_kv_cache,
       d_attn_sink, gradient_groups, &format, &params);

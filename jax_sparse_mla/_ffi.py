@@ -99,7 +99,9 @@ def _operands(problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_ca
 
 def _format_attrs(problem) -> dict:
     """The format and geometry attributes both targets take."""
-    attrs = {"kv_format": np.int32(problem.fmt.id), "sm_scale": np.float32(problem.sm_scale)}
+    extra_fmt = problem.extra_fmt if problem.extra_fmt is not None else problem.fmt
+    attrs = {"kv_format": np.int32(problem.fmt.id), "extra_kv_format": np.int32(extra_fmt.id),
+             "sm_scale": np.float32(problem.sm_scale)}
     attrs.update(_geometry("", problem.layout))
     attrs.update(_geometry("extra_", problem.extra_layout))
     return attrs

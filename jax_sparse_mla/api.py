@@ -8,8 +8,8 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from . import _ffi, backward, planner, validate
-from .formats import KVFormat
+from . import _ffi, backward, kernel_tables, planner, validate
+from .formats import KVFormat, quantize_query_fp8
 from .reference import sparse_mla_reference
 
 __all__ = ["sparse_mla", "merge_attention_states"]
@@ -22,12 +22,13 @@ _OPERANDS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_c
 def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scale: float,
                page_size: Optional[int] = None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                extra_indices=None, extra_topk_length=None, extra_page_size: Optional[int] = None,
-               valid_tokens=None, impl: str = "auto", batch_invariant: bool = False):
+               valid_tokens=None, impl: str = "auto", batch_invariant: bool = False, precision: str = "bf16",
+               extra_kv_format: Union[str, KVFormat, None] = None):
     """Token-sparse MLA attention over a paged (FP8) KV cache.
 
     Each query row ``t`` attends to the cache slots listed in ``indices[t]``; invalid candidates
     (out of range, negative, past ``topk_length[t]``, past the format's window) are masked and never
-    read. The softmax is joint over the main and (for ``dsv4``/``dsv4_1``) the extra cache. The
+    read. The softmax is joint over the main and (for the dual-cache formats) the extra cache. The
     semantics, edge cases and accuracy contract are in docs/semantics.md.
 
     Args:
@@ -41,16 +42,23 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       page_size: tokens per page; required only for the 2-D ``[num_pages, page_bytes]`` form.
       topk_length: int32 ``[T]``/``[B, S]``: only the first ``topk_length[t]`` entries of row t are used.
       attn_sink: float32 ``[H]``: one extra logit per head whose value vector is zero.
-      extra_kv_cache: the dual cache (``dsv4``, ``dsv4_1``): a cache of the same format with its own
-        shape and page size; given together with ``extra_indices``.
+      extra_kv_cache: the dual cache (``dsv4``, ``dsv4_1``, ``dsv4_nvfp4``, ``dsv4_1_fp4``): a cache of
+        ``extra_kv_format`` with its own shape and page size; given together with ``extra_indices``.
       extra_indices: int32 ``[T, extra_topk]`` (same forms as ``indices``): slots of the extra cache.
       extra_topk_length: int32 ``[T]``/``[B, S]``: like ``topk_length``, for ``extra_indices``.
       extra_page_size: the extra cache's page size, for its 2-D form.
+      extra_kv_format: the extra cache's format (default: ``kv_format``); the allowed pairs are each
+        dual-cache format with itself, ``("dsv4", "dsv4_nvfp4")`` and ``("dsv4_1", "dsv4_1_fp4")``
+        (``supported_configs()[key]["extra_formats"]``).
       valid_tokens: int32 scalar or ``[1]``: rows ``t >= valid_tokens`` (of the flattened rows) are padding:
         ``out = 0``, ``lse = -inf``, skipped on the device.
       impl: ``"auto"`` (planner), ``"decode"``/``"prefill"`` (force a CUDA variant) or ``"xla"`` (pure JAX).
       batch_invariant: pin the candidate chunking and combine order so a row's output does not depend
         on T (the batch it is in); see :func:`jax_sparse_mla.plan`.
+      precision: ``"bf16"`` (16-bit tensor-core compute) or ``"fp8"``: the operation on the query
+        quantized to FP8 per group of 64 lanes (:func:`jax_sparse_mla.quantize_query_fp8`), with its own
+        accuracy bound (docs/semantics.md). ``"fp8"`` runs on the CPU kernel and ``impl="xla"``; on a
+        GPU backend without an FP8 kernel it raises ``ValueError`` (never a silent 16-bit fallback).
 
     Returns:
       ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
@@ -59,8 +67,8 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       TypeError: wrong dtypes (docs/errors.md).
       ValueError: anything else that shapes reveal (docs/errors.md).
       NotImplementedError: differentiated with respect to a quantized cache (only ``bf16_*`` caches have
-        a gradient), on CUDA with an FFI ``impl`` (no CUDA backward kernel yet: use ``impl="xla"``), or
-        twice (no second derivative).
+        a gradient) or, with ``precision="fp8"``, ``q``; on CUDA with an FFI ``impl`` (no CUDA backward
+        kernel yet: use ``impl="xla"``); or twice (no second derivative).
 
     ``jax.grad``/``jax.vjp`` give gradients for ``q``, ``attn_sink`` and a ``bf16_*`` cache (docs/semantics.md,
     differentiation); forward mode (``jax.jvp``) raises JAX's ``TypeError`` for ``custom_vjp`` functions.
@@ -72,7 +80,7 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
         q, kv_cache, indices, kv_format=kv_format, sm_scale=sm_scale, page_size=page_size,
         topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
         extra_topk_length=extra_topk_length, extra_page_size=extra_page_size, valid_tokens=valid_tokens, impl=impl,
-        batch_invariant=batch_invariant)
+        batch_invariant=batch_invariant, precision=precision, extra_kv_format=extra_kv_format)
     lead, t, h = problem.lead_shape, problem.num_tokens, problem.num_heads
     d_v = problem.fmt.d_v
     if t == 0:
@@ -172,14 +180,35 @@ def _batching_rule_op(problem):
     return op
 
 
+def _missing_cuda_kernel(problem) -> Optional[str]:
+    """Why no CUDA kernel can run the call (None when one can)."""
+    if problem.precision == "fp8":
+        return "precision: 'fp8' has no CUDA kernel yet (FP8 tensor-core compute)"
+    if not kernel_tables.has_cuda_kernels(problem.fmt.key):
+        return f"kv_format: {problem.fmt.key!r} has no CUDA kernel yet"
+    if problem.extra_fmt is not None and problem.extra_fmt != problem.fmt:
+        return (f"extra_kv_format: an extra cache in {problem.extra_fmt.key!r} beside a {problem.fmt.key!r} main cache "
+                f"has no CUDA kernel yet")
+    return None
+
+
 def _lower(problem, arrays):
+    # Where no CUDA kernel serves the call, it runs on the CPU kernel (or impl="xla"); on a GPU backend it
+    # raises rather than fall back silently.
+    missing_cuda = None if problem.impl == "xla" else _missing_cuda_kernel(problem)
+    if missing_cuda is not None and (problem.impl in ("decode", "prefill") or jax.default_backend() == "gpu"):
+        raise ValueError(f"{missing_cuda}; on the GPU use impl='xla' (the pure-JAX path) for this call")
+    if problem.precision == "fp8":
+        # The mode is the operation on the FP8-quantized query; the CPU kernel and the pure-JAX path run it
+        # on that query (with P·V in 16 bits, so the default accuracy bound holds).
+        arrays = dict(arrays, q=quantize_query_fp8(arrays["q"]))
     get = arrays.get
     if problem.impl == "xla":
         return sparse_mla_reference(
             get("q"), get("kv_cache"), get("indices"), fmt=problem.fmt, layout=problem.layout,
             sm_scale=problem.sm_scale, topk_length=get("topk_length"), attn_sink=get("attn_sink"),
             extra_kv_cache=get("extra_kv_cache"), extra_indices=get("extra_indices"),
-            extra_topk_length=get("extra_topk_length"), extra_layout=problem.extra_layout,
+            extra_topk_length=get("extra_topk_length"), extra_layout=problem.extra_layout, extra_fmt=problem.extra_fmt,
             valid_tokens=get("valid_tokens"))
     valid_tokens = get("valid_tokens")
     if valid_tokens is None:
@@ -203,6 +232,8 @@ def _lower(problem, arrays):
     if jax.default_backend() == "gpu" and not _ffi.cuda_available():
         raise ValueError("impl: 'auto' on a GPU backend needs the CUDA extension, which is not available "
                          f"({_ffi.cuda_import_error()}); rebuild with JSMLA_CUDA=ON or pass impl='xla'")
+    if missing_cuda is not None:  # the CPU only (see above)
+        return lower_for("cpu")(*operands)
     # Both platforms are planned; only the branch of the platform being lowered for is emitted, so a
     # program exported for CUDA from a CPU host carries the CUDA plan.
     return jax.lax.platform_dependent(*operands, cpu=lower_for("cpu"), cuda=lower_for("cuda"))

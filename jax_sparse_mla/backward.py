@@ -26,6 +26,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax.interpreters import mlir
 
 from . import _ffi
+from .formats import quantize_query_fp8
 
 __all__ = ["Residuals", "check_differentiable", "typed_as_varying", "vjp", "without_second_derivative"]
 
@@ -55,11 +56,16 @@ def _cuda_refusal(impl: str) -> str:
 def check_differentiable(problem, wrt) -> None:
     """Raises ``NotImplementedError`` naming the first operand in ``wrt`` that has no gradient, or the
     impl when it forces a CUDA kernel (which has no backward)."""
-    for name in ("kv_cache", "extra_kv_cache"):
-        if name in wrt and problem.fmt.quantized:
+    for name, fmt in (("kv_cache", problem.fmt), ("extra_kv_cache", problem.extra_fmt)):
+        if name in wrt and fmt.quantized:
             raise NotImplementedError(
-                f"{name}: a {problem.fmt.key} cache is quantized and has no gradient (only bf16_576 and bf16_512 "
-                f"caches are differentiable); wrap it in jax.lax.stop_gradient, or pass its uint8 bytes")
+                f"{name}: a {fmt.key} cache is quantized and has no gradient (only bf16_576 and bf16_512 caches "
+                f"are differentiable); wrap it in jax.lax.stop_gradient, or pass its uint8 bytes")
+    if "q" in wrt and problem.precision == "fp8":
+        raise NotImplementedError(
+            "precision: 'fp8' computes with the FP8-quantized query, whose derivative in q is zero almost "
+            "everywhere, so q has no gradient there; differentiate q with precision='bf16' (the sink and a bf16 "
+            "cache do have gradients with 'fp8')")
     if wrt and problem.impl in ("decode", "prefill"):
         raise NotImplementedError(_cuda_refusal(problem.impl))
 
@@ -81,7 +87,10 @@ def vjp(problem, residuals: Residuals, d_out, d_lse, *, forward: Callable) -> di
     if problem.impl == "xla":
         gradients = _reference_vjp(forward, residuals.arrays, residuals.wrt, d_out, d_lse)
     else:
-        gradients = _kernel_vjp(problem, residuals.wrt, 1)(residuals.arrays, residuals.lse, d_out, d_lse)
+        arrays = residuals.arrays
+        if problem.precision == "fp8":  # the query the forward computed with (q itself has no gradient then)
+            arrays = dict(arrays, q=quantize_query_fp8(arrays["q"]))
+        gradients = _kernel_vjp(problem, residuals.wrt, 1)(arrays, residuals.lse, d_out, d_lse)
         gradients = {name: (g if name == "q" else g[0]) for name, g in gradients.items()}  # the one group
     return {name: (_typed_like(gradients[name], x) if name in gradients else None)
             for name, x in residuals.arrays.items()}

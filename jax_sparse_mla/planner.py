@@ -236,6 +236,8 @@ def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: Devi
 
 def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: DeviceInfo, batch_invariant,
                impl, model: CostModel, calibrated: bool) -> Plan:
+    if not kernel_tables.has_cuda_kernels(fmt.key):
+        raise ValueError(f"kv_format: {fmt.key!r} has no CUDA kernel yet; plan for platform='cpu' or use impl='xla'")
     candidates = topk + extra_topk
     common = dict(platform="cuda", kv_format=fmt.key, num_tokens=num_tokens,
                   num_heads=num_heads, topk=topk, extra_topk=extra_topk, batch_invariant=batch_invariant,

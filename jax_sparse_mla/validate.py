@@ -17,10 +17,23 @@ import numpy as np
 from . import kernel_tables
 from .formats import FORMATS, CacheLayout, KVFormat, cache_layout, get_format
 
-__all__ = ["ENVELOPE", "IMPLS", "Problem", "normalize", "supported_configs", "check_supported"]
+__all__ = ["ENVELOPE", "IMPLS", "PRECISIONS", "Problem", "normalize", "supported_configs", "check_supported"]
 
 #: Values of ``impl=``.
 IMPLS = ("auto", "decode", "prefill", "xla")
+#: The (main, extra) format pairs of a dual cache: each dual-cache format with itself, and the FP4 caches
+#: as the extra cache of the FP8 format of the same layout (docs/formats.md).
+DUAL_CACHE_PAIRS = tuple(sorted({(k, k) for k, f in FORMATS.items() if f.dual_cache}
+                                | {("dsv4", "dsv4_nvfp4"), ("dsv4_1", "dsv4_1_fp4")}))
+
+
+def extra_formats(kv_format: str) -> tuple:
+    """The formats an extra cache of a ``kv_format`` main cache may have (empty without a dual form)."""
+    return tuple(extra for main, extra in DUAL_CACHE_PAIRS if main == kv_format)
+
+
+#: Values of ``precision=``: 16-bit compute, or the query quantized to FP8 (docs/semantics.md).
+PRECISIONS = ("bf16", "fp8")
 
 #: The one envelope table used by validation, planning and ``supported_configs()``.
 ENVELOPE = {
@@ -48,6 +61,8 @@ class Problem:
     extra_layout: Optional[CacheLayout]
     sm_scale: float
     impl: str
+    precision: str = "bf16"
+    extra_fmt: Optional[KVFormat] = None  # the extra cache's format (None without an extra cache)
     batch_invariant: bool = False
 
 
@@ -93,13 +108,18 @@ def _check_lengths(name, x, lead):
 
 def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk_length=None, attn_sink=None,
               extra_kv_cache=None, extra_indices=None, extra_topk_length=None, extra_page_size=None,
-              valid_tokens=None, impl="auto", batch_invariant=False) -> Problem:
+              valid_tokens=None, impl="auto", batch_invariant=False, precision="bf16",
+              extra_kv_format=None) -> Problem:
     """Validates every argument of :func:`jax_sparse_mla.sparse_mla` and returns the static :class:`Problem`."""
     fmt = get_format(kv_format)
     if not isinstance(impl, str):
         raise TypeError(f"impl: expected one of {IMPLS}, got {type(impl).__name__}")
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if not isinstance(precision, str):
+        raise TypeError(f"precision: expected one of {PRECISIONS}, got {type(precision).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"sm_scale: expected a Python float (static), got {_describe(sm_scale)}")
     sm_scale = float(sm_scale)
@@ -145,8 +165,10 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
     if (extra_kv_cache is None) != (extra_indices is None):
         given = "extra_kv_cache" if extra_kv_cache is not None else "extra_indices"
         raise ValueError(f"extra_kv_cache/extra_indices: expected both or neither, got only {given}")
+    extra_fmt = None
     if extra_kv_cache is None:
-        for name, value in (("extra_topk_length", extra_topk_length), ("extra_page_size", extra_page_size)):
+        for name, value in (("extra_topk_length", extra_topk_length), ("extra_page_size", extra_page_size),
+                            ("extra_kv_format", extra_kv_format)):
             if value is not None:
                 raise ValueError(f"{name}: given without extra_kv_cache/extra_indices")
     else:
@@ -161,11 +183,15 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
             raise ValueError(f"extra_indices: expected topk >= {ENVELOPE['min_topk']}, got {_describe(extra_indices)}")
         if extra_topk_length is not None:
             _check_lengths("extra_topk_length", extra_topk_length, lead)
-        extra_layout = cache_layout(extra_kv_cache, fmt, extra_page_size, name="extra_kv_cache")
+        extra_fmt = fmt if extra_kv_format is None else get_format(extra_kv_format)
+        if extra_fmt.key not in extra_formats(fmt.key):
+            raise ValueError(f"extra_kv_format: expected one of {list(extra_formats(fmt.key))} for a {fmt.key} main "
+                             f"cache, got {extra_fmt.key!r}")
+        extra_layout = cache_layout(extra_kv_cache, extra_fmt, extra_page_size, name="extra_kv_cache")
 
     return Problem(fmt=fmt, lead_shape=lead, num_tokens=num_tokens, num_heads=num_heads, topk=int(topk),
                    extra_topk=int(extra_topk), layout=layout, extra_layout=extra_layout, sm_scale=sm_scale,
-                   impl=impl, batch_invariant=bool(batch_invariant))
+                   impl=impl, batch_invariant=bool(batch_invariant), precision=precision, extra_fmt=extra_fmt)
 
 
 def _page_rules(fmt: KVFormat) -> str:
@@ -201,9 +227,11 @@ def supported_configs() -> dict[str, dict[str, Any]]:
             "window": fmt.max_candidates or None,
             "page_size_rules": _page_rules(fmt),
             "dual_cache": fmt.dual_cache,
+            "extra_formats": list(extra_formats(key)),
             "platforms": {
                 "cpu": {"variants": list(ENVELOPE["platforms"]["cpu"]["variants"])},
-                "cuda": {"variants": list(ENVELOPE["platforms"]["cuda"]["variants"]),
+                "cuda": {"variants": list(ENVELOPE["platforms"]["cuda"]["variants"])
+                         if kernel_tables.has_cuda_kernels(key) else [],
                          "archs": list(ENVELOPE["platforms"]["cuda"]["archs"])},
                 "xla": {"variants": ["reference"]},
             },
@@ -213,7 +241,7 @@ def supported_configs() -> dict[str, dict[str, Any]]:
 
 def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int] = None, topk: Optional[int] = None,
                     page_size: Optional[int] = None, platform: Optional[str] = None, impl: str = "auto",
-                    dual_cache: bool = False) -> None:
+                    dual_cache: bool = False, extra_kv_format: Optional[Union[str, KVFormat]] = None) -> None:
     """Raises ``ValueError`` naming every violated axis (and its allowed values) of a configuration.
 
     Only the axes given are checked; ``page_size`` is checked for ``>= 1`` (the format's alignment rules
@@ -227,6 +255,7 @@ def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int]
       platform: ``"cpu"`` or ``"cuda"`` (None: any).
       impl: an ``impl=`` value of :func:`~jax_sparse_mla.sparse_mla`.
       dual_cache: whether an extra cache is used.
+      extra_kv_format: the extra cache's format, when it differs from ``kv_format`` (implies ``dual_cache``).
 
     Raises:
       ValueError: the configuration is outside the envelope, or ``kv_format`` is unknown.
@@ -249,8 +278,14 @@ def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int]
         problems.append(f"impl={impl!r} (allowed {IMPLS})")
     elif impl in ("decode", "prefill") and platform == "cpu":
         problems.append(f"impl={impl!r} on platform 'cpu' (the CPU runs 'auto' or 'xla')")
-    if dual_cache and not fmt.dual_cache:
+    if (dual_cache or extra_kv_format is not None) and not fmt.dual_cache:
         dual = sorted(k for k, f in FORMATS.items() if f.dual_cache)
         problems.append(f"dual_cache for {fmt.key} (allowed for {dual})")
+    elif extra_kv_format is not None:
+        extra_key = extra_kv_format.key if isinstance(extra_kv_format, KVFormat) else extra_kv_format
+        if extra_key not in extra_formats(fmt.key):
+            problems.append(f"extra_kv_format={extra_key!r} (allowed {list(extra_formats(fmt.key))})")
+    if platform == "cuda" and not kernel_tables.has_cuda_kernels(fmt.key):
+        problems.append(f"platform='cuda' for {fmt.key} (no CUDA kernel yet; the CPU kernel and impl='xla' serve it)")
     if problems:
         raise ValueError(f"unsupported configuration for format {fmt.key}: " + "; ".join(problems))

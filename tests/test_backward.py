@@ -328,10 +328,12 @@ def test_valid_tokens(rng, impl, key, valid_tokens):
         check_gradient(name, g, ref[name])
 
 
-@pytest.mark.parametrize("key", ["dsv4", "dsv4_1"])
-def test_dual_cache(rng, impl, key):
-    """One joint softmax over both caches: q and the sink see both; a quantized extra cache is a constant."""
-    extra = dict(page_size=4, form="3d", topk=7, cache_tokens=21)
+@pytest.mark.parametrize("key,extra_format", [("dsv4", "dsv4"), ("dsv4_1", "dsv4_1"), ("dsv4", "dsv4_nvfp4"),
+                                              ("dsv4_1", "dsv4_1_fp4")])
+def test_dual_cache(rng, impl, key, extra_format):
+    """One joint softmax over both caches (of one format or two): q and the sink see both; a quantized extra
+    cache is a constant."""
+    extra = dict(page_size=4, form="3d", topk=7, cache_tokens=21, kv_format=extra_format)
     case = make_case(rng, key, num_tokens=5, num_heads=3, topk=11, page_size=64, extra=extra,
                      attn_sink=rng.standard_normal(3))
     grads, ref = check_case(rng, case, impl)
@@ -340,6 +342,31 @@ def test_dual_cache(rng, impl, key):
     without_extra = case_vjp(main_only, d_out, d_lse)["q"]
     with_extra = case_vjp(case, d_out, d_lse)["q"]
     assert np.abs(with_extra - without_extra).max() > 0.1 * np.abs(with_extra).max(), "the extra cache must matter"
+
+
+def test_precision_fp8(rng, impl):
+    """precision="fp8": the sink's and a bf16 cache's gradients are those of the operation on the quantized
+    query; q itself has no gradient there."""
+    case = make_case(rng, "bf16_576", num_tokens=4, num_heads=3, topk=12, page_size=4,
+                     attn_sink=rng.standard_normal(3))
+    quantized = dataclasses.replace(case, q=oracle.quantize_query_fp8(case.q).astype(ml_dtypes.bfloat16))
+    assert np.any(quantized.q != case.q), "the quantization must change the query"
+    d_out, d_lse = random_cotangents(rng, case)
+    static, arrays = case_arrays(case, impl)
+    wrt = {name: arrays.pop(name) for name in ("kv_cache", "attn_sink")}
+
+    def vjp(wrt):
+        _, pullback = jax.vjp(lambda w: attend(dict(static, precision="fp8"), {**arrays, **w}), wrt)
+        return pullback((jnp.asarray(d_out), jnp.asarray(d_lse)))[0]
+
+    grads = jax.jit(vjp)(wrt)
+    ref = case_vjp(quantized, d_out, d_lse)
+    check_gradient("kv_cache", np.asarray(grads["kv_cache"], np.float64).reshape(case.main.num_slots, -1),
+                   ref["kv_cache"])
+    check_gradient("attn_sink", np.asarray(grads["attn_sink"], np.float64), ref["attn_sink"])
+    q = arrays.pop("q")
+    with pytest.raises(NotImplementedError, match="^precision: 'fp8' computes with the FP8-quantized query"):
+        jax.grad(lambda q: attend(dict(static, precision="fp8"), {**arrays, **wrt, "q": q})[1].sum())(q)
 
 
 def test_topk_length_edge_values(rng, impl):

@@ -180,6 +180,8 @@ def test_cuda_plans_respect_the_kernel_contract(cache_dir):
     from jax_sparse_mla import kernel_tables
 
     for key, fmt in jsm.FORMATS.items():
+        if not kernel_tables.has_cuda_kernels(key):
+            continue
         for t in (1, 3, 64, 1000):
             for h in (1, 16, 20, 64, 128):
                 for topk in (1, 63, 2048):

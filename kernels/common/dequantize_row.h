@@ -12,15 +12,15 @@ namespace jsmla {
 // Writes the K row of `slot` (a valid slot of `cache`) to `out[0, f.d_qk)`.
 inline void dequantize_key_row(const FormatTraits& f, const CacheView& cache, int64_t slot, float* out) {
   const uint8_t* row = cache.data_row(slot);
-  if (f.fp8_dim > 0) {
+  if (f.quant_dim > 0) {
     const uint8_t* scales = cache.scales(f, slot);
     for (int g = 0; g < f.num_groups; ++g) {
       const float scale = group_scale(f, scales, g);
-      for (int i = g * f.group_size; i < (g + 1) * f.group_size; ++i) out[i] = fp8_e4m3_to_float(row[i]) * scale;
+      for (int i = g * f.group_size; i < (g + 1) * f.group_size; ++i) out[i] = quantized_lane(f, row, i) * scale;
     }
   }
   const uint8_t* bf16 = row + f.bf16_offset;
-  for (int i = 0; i < f.bf16_dim; ++i) out[f.fp8_dim + i] = bf16_to_float(load_u16_le(bf16 + 2 * i));
+  for (int i = 0; i < f.bf16_dim; ++i) out[f.quant_dim + i] = bf16_to_float(load_u16_le(bf16 + 2 * i));
 }
 
 }  // namespace jsmla

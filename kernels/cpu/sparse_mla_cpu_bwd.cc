@@ -121,6 +121,7 @@ void parallel_for(int64_t count, int num_threads, const Body& body) {
 
 struct Candidate {
   const CacheView* cache;
+  const FormatTraits* format;  // the list's (the extra cache may have another format of the same widths)
   int64_t slot;
 };
 
@@ -129,7 +130,7 @@ void collect_candidates(const CandidateList& list, int64_t t, std::vector<Candid
   const int32_t length = list.row_length(t);
   for (int32_t j = 0; j < length; ++j) {
     const int64_t slot = list.slot(t, j);
-    if (slot >= 0) out.push_back({&list.cache, slot});
+    if (slot >= 0) out.push_back({&list.cache, &format_traits(list.format), slot});
   }
 }
 
@@ -170,7 +171,8 @@ void backward_rows(const FormatTraits& f, const BackwardParams& p, int64_t t, in
   const int64_t n = static_cast<int64_t>(s.candidates.size());
   s.keys.resize(static_cast<size_t>(n) * d_qk);
   for (int64_t j = 0; j < n; ++j) {
-    dequantize_key_row(f, *s.candidates[j].cache, s.candidates[j].slot, s.keys.data() + j * d_qk);
+    const Candidate& c = s.candidates[j];
+    dequantize_key_row(*c.format, *c.cache, c.slot, s.keys.data() + j * d_qk);
   }
   s.queries.resize(static_cast<size_t>(heads) * d_qk);
   s.d_out.resize(static_cast<size_t>(heads) * d_v);
