@@ -30,6 +30,10 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
     read. The softmax is joint over the main and (for ``dsv4``/``dsv4_1``) the extra cache. The
     semantics, edge cases and accuracy contract are in docs/semantics.md.
 
+    Array arguments are JAX arrays, NumPy arrays (their dtype is checked as given) or, under tracing,
+    tracers; ``indices``, ``topk_length``, ``attn_sink``, the extra index arguments and ``valid_tokens``
+    also take Python numbers and nested lists, which become arrays of the documented dtype.
+
     Args:
       q: bfloat16 ``[T, H, d_qk]`` or ``[B, S, H, d_qk]``; 1 <= H <= 128.
       kv_cache: a cache of ``kv_format`` in any accepted shape (docs/formats.md, cache shapes):
@@ -56,13 +60,17 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
 
     Raises:
-      TypeError: wrong dtypes (docs/errors.md).
+      TypeError: wrong dtypes, or a Python value where an array is needed (docs/errors.md).
       ValueError: anything else that shapes reveal (docs/errors.md).
       NotImplementedError: under ``jax.grad``/``jax.jvp`` (no backward pass).
 
     Under ``jax.vmap`` the batch folds into rows (caches must not be batched). Calling this on arrays
     sharded across devices outside ``shard_map`` makes XLA gather the operands; shard per device instead.
     """
+    (q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length,
+     valid_tokens) = (validate.as_operand(name, value) for name, value in zip(_OPERANDS, (
+         q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length,
+         valid_tokens)))
     problem = validate.normalize(
         q, kv_cache, indices, kv_format=kv_format, sm_scale=sm_scale, page_size=page_size,
         topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
@@ -176,19 +184,29 @@ def _lower(problem, arrays):
         return lambda *ops: _ffi.call(plan, problem, *ops)
 
     if problem.impl in ("decode", "prefill"):
-        if not _ffi.cuda_available():
-            raise ValueError(f"impl: {problem.impl!r} needs the CUDA extension, which is not available "
-                             f"({_ffi.cuda_import_error()}); use impl='auto' or 'xla'")
+        # The backend first: without a GPU no build of the extension helps.
         if jax.default_backend() != "gpu":
-            raise ValueError(f"impl: {problem.impl!r} selects a CUDA kernel, but the default backend is "
-                             f"{jax.default_backend()!r}; use impl='auto' or 'xla'")
+            raise ValueError(f"impl: {problem.impl!r} selects a CUDA kernel, but JAX's default backend is "
+                             f"{jax.default_backend()!r} (JAX sees no GPU: no NVIDIA GPU or driver, or no JAX "
+                             f"CUDA plugin); use impl='auto' or 'xla'")
+        if not _ffi.cuda_available():
+            raise ValueError(f"impl: {problem.impl!r} needs the CUDA extension: {_cuda_unavailable()}; or use "
+                             f"impl='xla'")
         return lower_for("cuda")(*operands)
     if jax.default_backend() == "gpu" and not _ffi.cuda_available():
-        raise ValueError("impl: 'auto' on a GPU backend needs the CUDA extension, which is not available "
-                         f"({_ffi.cuda_import_error()}); rebuild with JSMLA_CUDA=ON or pass impl='xla'")
+        raise ValueError(f"impl: 'auto' on a GPU backend needs the CUDA extension: {_cuda_unavailable()}; or "
+                         f"pass impl='xla'")
     # Both platforms are planned; only the branch of the platform being lowered for is emitted, so a
     # program exported for CUDA from a CPU host carries the CUDA plan.
     return jax.lax.platform_dependent(*operands, cpu=lower_for("cpu"), cuda=lower_for("cuda"))
+
+
+def _cuda_unavailable() -> str:
+    """Why the CUDA extension is missing, with what fixes it: a build without it, or one that cannot load."""
+    if not _ffi.cuda_built():
+        return str(_ffi.cuda_import_error())
+    return (f"it is installed but failed to load ({_ffi.cuda_import_error()}); check the NVIDIA driver and the "
+            f"CUDA libraries of the JAX CUDA plugin")
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
@@ -206,9 +224,12 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
       ``out = 0``, ``lse = +inf``.
 
     Raises:
-      TypeError: ``lse_a`` or ``lse_b`` not float32.
+      TypeError: an argument that is not an array, or ``lse_a``/``lse_b`` not float32.
       ValueError: shapes that do not match.
     """
+    for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
         if x.dtype != jnp.float32:
             raise TypeError(f"{name}: expected float32 [..., H], got {x.dtype} {list(x.shape)}")
