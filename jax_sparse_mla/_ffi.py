@@ -61,11 +61,16 @@ def _installed_extension(name: str) -> Optional[pathlib.Path]:
     return None
 
 
+# Sources without compiled files beside them (see the module docstring) take every extension from the
+# installed distribution; otherwise none comes from there, so one build never mixes with another.
+_FROM_INSTALLED = importlib.util.find_spec(f"{__package__}._cpu_ext") is None
+
+
 def _import_extension(name: str):
     """The compiled module ``name`` (see the module docstring), or None when it was not built."""
     full_name = f"{__package__}.{name}"
-    if importlib.util.find_spec(full_name) is not None:
-        return importlib.import_module(full_name)
+    if not _FROM_INSTALLED:
+        return importlib.import_module(full_name) if importlib.util.find_spec(full_name) is not None else None
     path = _installed_extension(name)
     if path is None:
         return None
