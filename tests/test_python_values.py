@@ -57,7 +57,7 @@ def test_numpy_operands_keep_their_dtype_rule(operands):
     with pytest.raises(TypeError, match=r"^indices: expected int32 .* got int64 \[4, 3\]"):
         _op(q, cache, np.array(INDICES, np.int64))
     with pytest.raises(TypeError, match="^valid_tokens: expected int32"):
-        _op(q, cache, valid_tokens=np.int64(2))
+        _op(q, cache, np.array(INDICES, np.int32), valid_tokens=np.int64(2))
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
