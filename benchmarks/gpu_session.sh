@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_session.sh bench          # build + GPU smoke tier + the full benchmark grid
 #   bash benchmarks/gpu_session.sh release        # build + benchmark grid + full tier + planner sweep
 #   bash benchmarks/gpu_session.sh sweep          # build + calibrate + planner sweep
-#   bash benchmarks/gpu_session.sh multi          # build + the multi-GPU sharding tests
+#   bash benchmarks/gpu_session.sh multi          # build + the multi-GPU sharding tests + bench_sharded.py
 #   bash benchmarks/gpu_session.sh compare        # build (+ FlashMLA) + smoke tier + standalone check + the
 #                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
 #
@@ -115,6 +115,9 @@ case "$mode" in
   multi)
     python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_multi_gpu.py" 2>&1 | tee "$out/multi.log" | tail -8
     status=${PIPESTATUS[0]}
+    timeout "${JSMLA_BENCH_TIMEOUT:-400}" python3 "$repo/benchmarks/bench_sharded.py" --out_dir "$out" \
+      > "$out/bench_sharded.log" 2>&1 || status=1
+    tail -16 "$out/bench_sharded.log"
     ;;
   *)
     echo "unknown mode $mode"; exit 2 ;;

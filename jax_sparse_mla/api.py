@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _ffi, planner, validate
-from .formats import KVFormat
+from .formats import KVFormat, quantize_query_fp8
 from .reference import sparse_mla_reference
 
 __all__ = ["sparse_mla", "merge_attention_states"]
@@ -22,7 +22,7 @@ _OPERANDS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_c
 def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scale: float,
                page_size: Optional[int] = None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                extra_indices=None, extra_topk_length=None, extra_page_size: Optional[int] = None,
-               valid_tokens=None, impl: str = "auto", batch_invariant: bool = False):
+               valid_tokens=None, impl: str = "auto", batch_invariant: bool = False, precision: str = "bf16"):
     """Token-sparse MLA attention over a paged (FP8) KV cache.
 
     Each query row ``t`` attends to the cache slots listed in ``indices[t]``; invalid candidates
@@ -55,6 +55,10 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       impl: ``"auto"`` (planner), ``"decode"``/``"prefill"`` (force a CUDA variant) or ``"xla"`` (pure JAX).
       batch_invariant: pin the candidate chunking and combine order so a row's output does not depend
         on T (the batch it is in); see :func:`jax_sparse_mla.plan`.
+      precision: ``"bf16"`` (16-bit tensor-core compute) or ``"fp8"``: the operation on the query
+        quantized to FP8 per group of 64 lanes (:func:`jax_sparse_mla.quantize_query_fp8`), with its own
+        accuracy bound (docs/semantics.md). ``"fp8"`` runs on the CPU kernel and ``impl="xla"``; on a
+        GPU backend without an FP8 kernel it raises ``ValueError`` (never a silent 16-bit fallback).
 
     Returns:
       ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
@@ -75,7 +79,7 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
         q, kv_cache, indices, kv_format=kv_format, sm_scale=sm_scale, page_size=page_size,
         topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
         extra_topk_length=extra_topk_length, extra_page_size=extra_page_size, valid_tokens=valid_tokens, impl=impl,
-        batch_invariant=batch_invariant)
+        batch_invariant=batch_invariant, precision=precision)
     lead, t, h = problem.lead_shape, problem.num_tokens, problem.num_heads
     d_v = problem.fmt.d_v
     if t == 0:
@@ -164,6 +168,14 @@ def _batching_rule_op(problem):
 
 
 def _lower(problem, arrays):
+    if problem.precision == "fp8":
+        # The mode is the operation on the FP8-quantized query. The CPU kernel and the pure-JAX path run it on
+        # that query; no CUDA kernel computes in FP8 yet, and the mode never falls back to 16-bit compute.
+        platform = "cuda" if problem.impl in ("decode", "prefill") or jax.default_backend() == "gpu" else "cpu"
+        if validate.violations(problem.fmt, precision=problem.precision, impl=problem.impl, platform=platform):
+            raise ValueError("precision: 'fp8' has no CUDA kernel yet (FP8 tensor-core compute); use "
+                             "precision='bf16' on the GPU, or impl='xla' to run the mode's reference there")
+        arrays = dict(arrays, q=quantize_query_fp8(arrays["q"]))
     get = arrays.get
     if problem.impl == "xla":
         return sparse_mla_reference(
@@ -196,6 +208,8 @@ def _lower(problem, arrays):
     if jax.default_backend() == "gpu" and not _ffi.cuda_available():
         raise ValueError(f"impl: 'auto' on a GPU backend needs the CUDA extension: {_cuda_unavailable()}; or "
                          f"pass impl='xla'")
+    if problem.precision == "fp8":  # CPU only (see above)
+        return lower_for("cpu")(*operands)
     # Both platforms are planned; only the branch of the platform being lowered for is emitted, so a
     # program exported for CUDA from a CPU host carries the CUDA plan.
     return jax.lax.platform_dependent(*operands, cpu=lower_for("cpu"), cuda=lower_for("cuda"))

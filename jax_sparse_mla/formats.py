@@ -28,6 +28,7 @@ __all__ = [
     "CacheLayout",
     "cache_layout",
     "quantize_kv",
+    "quantize_query_fp8",
     "update_kv",
     "dequantize_kv",
     "encode_rows",
@@ -402,6 +403,32 @@ def encode_rows(kv, kv_format: Union[str, KVFormat]):
     pad = fmt.scale_row_bytes - scale_bytes.shape[-1]
     scales = jnp.pad(scale_bytes, ((0, 0), (0, pad)))
     return data, scales
+
+
+#: Query lanes that share one scale in ``precision="fp8"``.
+QUERY_FP8_GROUP = 64
+_QUERY_AMAX_FLOOR = 1e-30
+
+
+def quantize_query_fp8(q):
+    """The query of ``precision="fp8"``: FP8-quantized and dequantized, exactly (docs/semantics.md).
+
+    Per (row, head, group of 64 lanes): ``amax = max|q|`` clamped below at 1e-30,
+    ``scale = 2^ceil(log2(amax / 448))`` from the float32 bits, FP8 e4m3 = saturating round-to-nearest-even
+    of ``q / scale`` (a float32 division); the result is ``fp8 * scale``, which bfloat16 holds exactly.
+
+    Args:
+      q: bfloat16 ``[..., d]`` with ``d`` a multiple of 64.
+    Returns:
+      bfloat16, the shape of ``q``.
+    """
+    if q.shape[-1] % QUERY_FP8_GROUP:
+        raise ValueError(f"q: expected a last axis that is a multiple of {QUERY_FP8_GROUP}, got {_shape_text(q)}")
+    x = q.astype(jnp.float32).reshape(*q.shape[:-1], q.shape[-1] // QUERY_FP8_GROUP, QUERY_FP8_GROUP)
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), jnp.float32(_QUERY_AMAX_FLOOR))
+    scale = jax.lax.bitcast_convert_type(_pow2_scale_bits(amax) << 23, jnp.float32)[..., None]
+    fp8 = jnp.clip(_divide(x, scale), -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
+    return (fp8.astype(jnp.float32) * scale).astype(jnp.bfloat16).reshape(q.shape)
 
 
 def quantize_kv(kv, kv_format: Union[str, KVFormat], page_size: int = 64):

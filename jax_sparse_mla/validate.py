@@ -23,11 +23,13 @@ import numpy as np
 from . import kernel_tables
 from .formats import FORMATS, CacheLayout, KVFormat, cache_layout, get_format, quantize_kv
 
-__all__ = ["ENVELOPE", "IMPLS", "RULES", "Rule", "Problem", "as_operand", "normalize", "violations",
+__all__ = ["ENVELOPE", "IMPLS", "PRECISIONS", "RULES", "Rule", "Problem", "as_operand", "normalize", "violations",
            "supported_configs", "check_supported"]
 
 #: Values of ``impl=``.
 IMPLS = ("auto", "decode", "prefill", "xla")
+#: Values of ``precision=``: 16-bit compute, or the query quantized to FP8 (docs/semantics.md).
+PRECISIONS = ("bf16", "fp8")
 
 #: The limits and platforms of the envelope, used by :data:`RULES`, planning and ``supported_configs()``.
 ENVELOPE = {
@@ -35,8 +37,9 @@ ENVELOPE = {
     "max_heads": kernel_tables.MAX_HEADS,
     "min_topk": kernel_tables.MIN_TOPK,
     "platforms": {
-        "cpu": {"variants": ("reference",), "archs": ()},
-        "cuda": {"variants": ("decode", "prefill"), "archs": ("sm_80", "sm_90a", "sm_120a")},
+        "cpu": {"variants": ("reference",), "archs": (), "precisions": ("bf16", "fp8")},
+        # No CUDA kernel computes in FP8 yet.
+        "cuda": {"variants": ("decode", "prefill"), "archs": ("sm_80", "sm_90a", "sm_120a"), "precisions": ("bf16",)},
     },
 }
 
@@ -101,6 +104,12 @@ def _impls_on(platform: str) -> tuple:
     return ("auto",) + tuple(v for v in ENVELOPE["platforms"][platform]["variants"] if v in IMPLS) + ("xla",)
 
 
+def _precision_runs(fmt: KVFormat, precision: str, impl: str, platform: str) -> bool:
+    if precision not in PRECISIONS or platform not in ENVELOPE["platforms"]:
+        return True  # reported by the precision and platform rules
+    return impl == "xla" or precision in ENVELOPE["platforms"][platform]["precisions"]
+
+
 def _dual_formats() -> list:
     return sorted(k for k, f in FORMATS.items() if f.dual_cache)
 
@@ -118,6 +127,10 @@ RULES = (
     Rule("impl_on_platform", ("impl", "platform"),
          lambda fmt, impl, p: impl not in IMPLS or p not in ENVELOPE["platforms"] or impl in _impls_on(p),
          lambda fmt: "; ".join(f"{p}: {', '.join(map(repr, _impls_on(p)))}" for p in ENVELOPE["platforms"])),
+    Rule("precision", ("precision",), lambda fmt, p: p in PRECISIONS, lambda fmt: str(PRECISIONS)),
+    Rule("precision_on_platform", ("precision", "impl", "platform"), _precision_runs,
+         lambda fmt: "; ".join(f"{p}: {', '.join(map(repr, v['precisions']))}" for p, v in ENVELOPE["platforms"].items())
+         + "; any with impl 'xla'"),
     Rule("dual_cache", ("dual_cache",), lambda fmt, dual: not dual or fmt.dual_cache,
          lambda fmt: f"only for {_dual_formats()}"),
     Rule("batch_invariant", ("batch_invariant", "impl"),
@@ -148,6 +161,7 @@ class Problem:
     extra_layout: Optional[CacheLayout]
     sm_scale: float
     impl: str
+    precision: str = "bf16"
     batch_invariant: bool = False
 
 
@@ -237,7 +251,7 @@ def _check_lengths(name, x, lead):
 
 def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk_length=None, attn_sink=None,
               extra_kv_cache=None, extra_indices=None, extra_topk_length=None, extra_page_size=None,
-              valid_tokens=None, impl="auto", batch_invariant=False) -> Problem:
+              valid_tokens=None, impl="auto", batch_invariant=False, precision="bf16") -> Problem:
     """Validates every argument of :func:`jax_sparse_mla.sparse_mla` and returns the static :class:`Problem`.
 
     Array arguments are arrays (or ShapeDtypeStructs); :func:`as_operand` converts Python values first.
@@ -247,6 +261,10 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
         raise TypeError(f"impl: expected one of {IMPLS}, got {type(impl).__name__}")
     if not _RULE["impl"].accepts(fmt, impl):
         raise ValueError(f"impl: expected one of {_RULE['impl'].allowed(fmt)}, got {impl!r}")
+    if not isinstance(precision, str):
+        raise TypeError(f"precision: expected one of {PRECISIONS}, got {type(precision).__name__}")
+    if not _RULE["precision"].accepts(fmt, precision):
+        raise ValueError(f"precision: expected one of {_RULE['precision'].allowed(fmt)}, got {precision!r}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"sm_scale: expected a Python float (static), got {_describe(sm_scale)}")
     sm_scale = float(sm_scale)
@@ -313,7 +331,7 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
 
     return Problem(fmt=fmt, lead_shape=lead, num_tokens=num_tokens, num_heads=num_heads, topk=int(topk),
                    extra_topk=int(extra_topk), layout=layout, extra_layout=extra_layout, sm_scale=sm_scale,
-                   impl=impl, batch_invariant=bool(batch_invariant))
+                   impl=impl, batch_invariant=bool(batch_invariant), precision=precision)
 
 
 def _page_rules(fmt: KVFormat) -> str:
@@ -359,7 +377,7 @@ def supported_configs() -> dict[str, dict[str, Any]]:
 
 def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int] = None, topk: Optional[int] = None,
                     page_size: Optional[int] = None, platform: Optional[str] = None, impl: str = "auto",
-                    dual_cache: bool = False, batch_invariant: bool = False) -> None:
+                    dual_cache: bool = False, batch_invariant: bool = False, precision: str = "bf16") -> None:
     """Raises ``ValueError`` naming every violated axis (and its allowed values) of a configuration.
 
     Only the axes given are checked, against the same rules ``sparse_mla`` and ``plan`` enforce.
@@ -375,6 +393,7 @@ def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int]
       impl: an ``impl=`` value of :func:`~jax_sparse_mla.sparse_mla`.
       dual_cache: whether an extra cache is used.
       batch_invariant: the ``batch_invariant=`` value of :func:`~jax_sparse_mla.sparse_mla`.
+      precision: the ``precision=`` value of :func:`~jax_sparse_mla.sparse_mla`.
 
     Raises:
       ValueError: the configuration is outside the envelope, or ``kv_format`` is unknown.
@@ -384,6 +403,6 @@ def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int]
     except (TypeError, ValueError) as e:
         raise ValueError(str(e)) from None
     problems = violations(fmt, num_heads=num_heads, topk=topk, page_size=page_size, platform=platform, impl=impl,
-                          dual_cache=dual_cache, batch_invariant=batch_invariant)
+                          dual_cache=dual_cache, batch_invariant=batch_invariant, precision=precision)
     if problems:
         raise ValueError(f"unsupported configuration for format {fmt.key}: " + "; ".join(problems))

@@ -112,7 +112,7 @@ def build_cache(rng, key: str, num_tokens: int, page_size: int = 64, form: str =
 # Attention cases
 # --------------------------------------------------------------------------------------------------
 
-STATIC_ARGS = ("kv_format", "sm_scale", "page_size", "extra_page_size", "impl", "batch_invariant")
+STATIC_ARGS = ("kv_format", "sm_scale", "page_size", "extra_page_size", "impl", "batch_invariant", "precision")
 
 
 def call_sparse_mla(q, kv_cache, indices, **kwargs):

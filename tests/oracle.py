@@ -233,6 +233,18 @@ def pow2_exponent(ratio: np.ndarray) -> np.ndarray:
     return np.where(mantissa == 0.5, exponent - 1, exponent).astype(np.int64)
 
 
+def quantize_query_fp8(q: np.ndarray) -> np.ndarray:
+    """The query of precision="fp8" (docs/semantics.md) as float64: per (row, head, 64 lanes) a
+    power-of-two scale from amax (floor 1e-30) and saturating round-to-nearest-even e4m3 values."""
+    x = np.asarray(q).astype(np.float32)
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // 64, 64)
+    amax = np.maximum(np.abs(groups).max(axis=-1), np.float32(1e-30)).astype(np.float32)
+    scale = np.ldexp(np.float32(1.0), pow2_exponent((amax / FP8_MAX).astype(np.float32))).astype(np.float32)
+    scaled = (groups / scale[..., None]).astype(np.float32)
+    fp8 = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return (fp8 * scale[..., None].astype(np.float64)).reshape(x.shape)
+
+
 def encode_tokens(kv: np.ndarray, key: str):
     """Quantizes rows [n, d_qk] -> (data uint8 [n, data bytes], scales uint8 [n, scale_row]).
 

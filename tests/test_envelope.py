@@ -23,8 +23,9 @@ def _struct(shape, dtype):
 
 
 def _call(key, *, num_heads=4, topk=8, page_size=64, impl="auto", batch_invariant=False, dual_cache=False,
-          extra_topk=4):
-    """sparse_mla under eval_shape (validation and planning, nothing runs) with a cache quantize_kv builds."""
+          extra_topk=4, precision="bf16", backend=None):
+    """sparse_mla under eval_shape (validation and planning, nothing runs) with a cache quantize_kv builds;
+    ``backend="gpu"`` makes the call see a GPU backend."""
     fmt = jsm.FORMATS[key]
     q = _struct((T, num_heads, fmt.d_qk), jnp.bfloat16)
     rows = _struct((2 * page_size, fmt.d_qk), jnp.float32)
@@ -38,9 +39,16 @@ def _call(key, *, num_heads=4, topk=8, page_size=64, impl="auto", batch_invarian
     def run(q, rows, indices, extra):
         cache = jsm.quantize_kv(rows, fmt, page_size=page_size)
         return jsm.sparse_mla(q, cache, indices, kv_format=fmt, sm_scale=0.1, impl=impl,
-                              batch_invariant=batch_invariant, **extra)
+                              batch_invariant=batch_invariant, precision=precision, **extra)
 
-    return lambda: jax.eval_shape(run, q, rows, indices, extra)
+    def call():
+        if backend is None:
+            return jax.eval_shape(run, q, rows, indices, extra)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(jsm.api.jax, "default_backend", lambda: backend)
+            return jax.eval_shape(run, q, rows, indices, extra)
+
+    return call
 
 
 def _plan(key, *, platform, num_heads=4, topk=8, impl="auto", batch_invariant=False, extra_topk=0):
@@ -89,6 +97,22 @@ def _walk_impl_on_platform(key):
         yield {"impl": impl, "platform": LOCAL}, _call(key, impl=impl)
 
 
+def _walk_precision(key):
+    for precision in ("bf16", "fp8", "fp16"):
+        yield {"precision": precision, "platform": LOCAL}, _call(key, precision=precision)
+
+
+def _walk_precision_on_platform(key):
+    for precision in ("bf16", "fp8"):
+        for impl in ("auto", "xla"):
+            yield {"precision": precision, "impl": impl, "platform": LOCAL}, _call(key, precision=precision, impl=impl)
+    # On a GPU backend (seen as one here: the call fails at the precision rule, before it needs the CUDA
+    # extension; bf16 with impl="auto" would need the extension, so it is not walked there).
+    for precision, impl in (("fp8", "auto"), ("fp8", "decode"), ("fp8", "xla"), ("bf16", "xla")):
+        yield ({"precision": precision, "impl": impl, "platform": "cuda"},
+               _call(key, precision=precision, impl=impl, backend="gpu"))
+
+
 def _walk_dual_cache(key):
     for dual in (False, True):
         yield {"dual_cache": dual}, _call(key, dual_cache=dual)
@@ -110,6 +134,8 @@ WALKS = {
     "platform": _walk_platform,
     "impl": _walk_impl,
     "impl_on_platform": _walk_impl_on_platform,
+    "precision": _walk_precision,
+    "precision_on_platform": _walk_precision_on_platform,
     "dual_cache": _walk_dual_cache,
     "batch_invariant": _walk_batch_invariant,
 }

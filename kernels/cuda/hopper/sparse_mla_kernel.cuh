@@ -61,10 +61,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     return;
   }
 
-  const int64_t total_positions = static_cast<int64_t>(a.main.topk) + a.extra.topk;
-  const int64_t split_begin = static_cast<int64_t>(coordinates.split) * p.split_size;
-  const int64_t split_end = min(split_begin + p.split_size, total_positions);
-  const CandidateTiles<kN> tiles(a, token, min(split_begin, split_end), split_end);
+  const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
 
   if (threadIdx.x < Cfg::kProducerThreads) {
     // ------------------------------------------------------------------ producer warpgroup

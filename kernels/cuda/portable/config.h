@@ -25,6 +25,9 @@ inline constexpr int kSplitGranule = 32;
 // Candidates gathered per tile: 32 rows, or 16 for the 1088-wide dots3_swa rows (same bytes per tile).
 constexpr int candidate_tile(FormatId id) { return format_traits(id).d_qk > 576 ? 16 : 32; }
 
+// b is a positive multiple of a (a function, so no "% 0" is ever spelled out for formats without groups).
+constexpr bool divides(int a, int b) { return a > 0 && b % a == 0; }
+
 struct WarpGrid {
   int head_groups;  // 16-head row groups per block
   int d_splits;     // warps sharing one row group, each with 1/d_splits of d_qk and of d_v
@@ -95,7 +98,7 @@ struct PortableConfig {
   static_assert(kTileOffset % 16 == 0 && kStageOffset % 16 == 0 && kScaleSlotsOffset % 16 == 0 &&
                     kExchangeOffset % 16 == 0 && kBiasOffset % 16 == 0 && kFactorOffset % 16 == 0,
                 "shared-memory regions must be 16-byte aligned (cp.async, ldmatrix, vector stores)");
-  static_assert(!kExactScales || (kF.group_size % 16 == 0 && kDvPerWarp % kF.group_size == 0),
+  static_assert(!kExactScales || (kF.group_size % 16 == 0 && divides(kF.group_size, kDvPerWarp)),
                 "exact scales: whole k16 steps per group, and each warp's output columns whole groups");
   static_assert(Geometry::kStagedRowBytes % 16 == 0, "staged rows must stay 16-byte aligned");
   static_assert(kSharedBytes <= kMaxSharedBytes, "shared memory exceeds the 99 KB portable budget");

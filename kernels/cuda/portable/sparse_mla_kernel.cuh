@@ -55,10 +55,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
     return;
   }
 
-  const int64_t total_positions = static_cast<int64_t>(a.main.topk) + a.extra.topk;
-  const int64_t split_begin = static_cast<int64_t>(split) * p.split_size;
-  const int64_t split_end = min(split_begin + p.split_size, total_positions);
-  const CandidateTiles<kN> tiles(a, token, min(split_begin, split_end), split_end);
+  const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
 
   // ---- loader role: row `load_row` of every tile, units `load_sub` + k*kThreadsPerRow ----
   const int load_row = threadIdx.x / Loader::kThreadsPerRow;
