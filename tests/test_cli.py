@@ -4,9 +4,11 @@ with status 2 and no traceback, and a demo that names the kernel that ran and th
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from jax_sparse_mla import __main__ as cli
@@ -67,11 +69,18 @@ def test_usage_errors_are_one_line(args, expected):
 def test_demo_names_the_kernel_and_the_shape_kind():
     result = _cli("demo", "--pool_tokens", "256", "--topk", "32", "--num_heads", "4", "--repeats", "1")
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = result.stdout.splitlines()[2:]
-    assert len(rows) == 2, result.stdout
-    assert rows[0].split()[:3] == ["cpu", "C++", "CPU"] and " decode T=4 " in rows[0]
-    assert " prefill T=64 " in rows[1]
-    assert all(row.split()[-1] == "ok" for row in rows)
+    rows = [re.split(r"\s{2,}", line) for line in result.stdout.splitlines()[1:]]
+    assert rows[0][:3] == ["backend", "kernel", "shape"]
+    backend = jax.default_backend()
+    platform = "cuda" if backend == "gpu" else "cpu"
+    assert len(rows) == 1 + len(cli.DEMO_SHAPES)
+    for row, (kind, tokens) in zip(rows[1:], cli.DEMO_SHAPES):
+        plan = planner.plan((tokens, 4, 576), "dsv3_2", 32, platform=platform)
+        assert row[:3] == [backend, cli.kernel_name(plan), f"{kind} T={tokens} H=4 topk=32"], row
+        assert row[-1] == "ok"
+    assert [kind for kind, _ in cli.DEMO_SHAPES] == ["decode", "prefill"]
+    if backend == "cpu":
+        assert rows[1][1] == "C++ CPU kernel"
 
 
 def test_kernel_names_cover_every_family():
