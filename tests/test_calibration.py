@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import benchmark_scripts
 import jax_sparse_mla as jsm
 from jax_sparse_mla import calibration, calibration_store, planner
 
@@ -237,20 +238,9 @@ def test_step_timing_queues_calls_and_divides_by_all_steps(monkeypatch):
     assert median == fastest == slowest == pytest.approx(1.0 / (4 * 5))  # one tick per 20 steps
 
 
-def _load_benchmark_script(name):
-    """Imports benchmarks/<name>.py (a script directory, not a package)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_step_profile_summary_reads_the_measured_call(tmp_path, capsys):
     """benchmarks/step_profile.py --summarize: the last of two identical kernel sequences is the call."""
-    module = _load_benchmark_script("step_profile")
+    module = benchmark_scripts.load("step_profile")
     header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
     setup = [("setup_fusion", "5,000")]
     call = [("attention", "10,000"), ("reduce", "1,000"), ("attention", "12,000"), ("reduce", "1,000"),
@@ -273,7 +263,7 @@ def test_bench_baseline_in_chunks_matches_the_whole_baseline():
     batch does not fit in device memory) gives every token the whole-batch baseline's result."""
     import numpy as np
 
-    bench = _load_benchmark_script("bench")
+    bench = benchmark_scripts.load("bench")
     rng = np.random.default_rng(3)
     fmt = jsm.get_format("dsv3_2")
     kv = jnp.asarray(rng.standard_normal((4 * 16, fmt.d_qk)), jnp.float32)
