@@ -175,6 +175,11 @@ def _progress_bar(done: int, total: int, label: str) -> None:
 
 
 def calibrate(args) -> int:
+    # The GPU first: without one, no build of the extension helps.
+    if jax.default_backend() != "gpu":
+        print(f"{PROG} calibrate: measures a CUDA GPU, but JAX's default backend is {jax.default_backend()!r} "
+              f"(JAX sees no GPU)", file=sys.stderr)
+        return 1
     try:
         constants = calibration.calibrate(formats=args.formats, heads=args.heads, topks=args.topks,
                                           force=args.force, progress=_progress_bar)

@@ -94,3 +94,11 @@ def test_kernel_names_cover_every_family():
     assert portable.family == "portable" and cli.kernel_name(portable) == "CUDA portable, prefill"
     families = {plan.family for plan in (cpu, hopper, portable)}
     assert families == set(cli.KERNEL_NAMES)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the message without a GPU")
+def test_calibrate_without_a_gpu_says_so():
+    result = _cli("calibrate")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "default backend is 'cpu'" in lines[0] and "JSMLA_CUDA" not in lines[0], lines
