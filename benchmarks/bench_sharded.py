@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 from absl import app, flags, logging
 
@@ -36,18 +35,6 @@ FLAGS = flags.FLAGS
 
 KV_FORMAT = "dsv3_2"
 PAGE_SIZE = 64
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def collectives_in(hlo_text: str) -> list:
-    """The collective operations a compiled program contains (HLO op names, start/done forms included)."""
-    found = set()
-    for name in COLLECTIVES:
-        if re.search(rf"\b{name}(-start|-done)?\(", hlo_text):
-            found.add(name)
-    return sorted(found)
-
-
 def mesh_shape(devices: int) -> tuple:
     tensor = min(FLAGS.tensor_parallel, devices)
     if devices % tensor:
@@ -62,6 +49,7 @@ def run(devices, tokens_per_rank, caches, rng):
     import numpy as np
 
     import jax_sparse_mla as jsm
+    from jax_sparse_mla.sharding import collectives_in
     from jax_sparse_mla.timing import median_step_seconds
 
     fmt = jsm.get_format(KV_FORMAT)

@@ -54,7 +54,8 @@ inline std::string dims_text(ffi::AnyBuffer::Dimensions dims) {
 }
 
 // Decodes every operand into `params` and checks what the kernels rely on.
-inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const CacheGeometry& main_geometry,
+inline ffi::Error decode_attention(int32_t kv_format, int32_t extra_kv_format, float sm_scale,
+                                   const CacheGeometry& main_geometry,
                                    const CacheGeometry& extra_geometry, ffi::Buffer<ffi::BF16> q,
                                    ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
                                    ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
@@ -89,6 +90,15 @@ inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const Cach
   if (has_extra && !f.dual_cache) {
     return ffi::Error::InvalidArgument("extra_kv_cache: this format has no dual-cache form");
   }
+  if (extra_kv_format < 0 || extra_kv_format >= kNumFormats) {
+    return ffi::Error::InvalidArgument("extra_kv_format: unknown format id " + std::to_string(extra_kv_format));
+  }
+  const FormatTraits& extra_f = kFormatTable[extra_kv_format];
+  if (has_extra && (!extra_f.dual_cache || extra_f.d_qk != f.d_qk || extra_f.d_v != f.d_v)) {
+    return ffi::Error::InvalidArgument("extra_kv_format: format " + std::to_string(extra_kv_format) +
+                                       " cannot be the extra cache of format " + std::to_string(kv_format) +
+                                       " (a dual-cache format of the same d_qk and d_v)");
+  }
   auto count_ok = [](size_t count, int64_t expected) {
     return count == 0 || static_cast<int64_t>(count) == expected;
   };
@@ -118,14 +128,16 @@ inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const Cach
   p.main.topk = static_cast<int32_t>(index_dims[1]);
   p.main.topk_length = topk_length.element_count() ? topk_length.typed_data() : nullptr;
   p.main.max_candidates = f.max_candidates;
+  p.main.format = f.id;
   if (auto error = make_view(f, "kv_cache", kv_cache, main_geometry, &p.main.cache); error.failure()) return error;
   p.extra = CandidateList{};
   if (has_extra) {
     p.extra.indices = extra_indices.typed_data();
     p.extra.topk = static_cast<int32_t>(extra_dims[1]);
     p.extra.topk_length = extra_topk_length.element_count() ? extra_topk_length.typed_data() : nullptr;
-    p.extra.max_candidates = f.max_candidates;
-    if (auto error = make_view(f, "extra_kv_cache", extra_kv_cache, extra_geometry, &p.extra.cache);
+    p.extra.max_candidates = extra_f.max_candidates;
+    p.extra.format = extra_f.id;
+    if (auto error = make_view(extra_f, "extra_kv_cache", extra_kv_cache, extra_geometry, &p.extra.cache);
         error.failure()) {
       return error;
     }
@@ -153,6 +165,7 @@ auto bind_attention(Binding binding) {
       .template Ret<ffi::Buffer<ffi::F32>>()               // lse
       .template Ret<ffi::Buffer<ffi::U8>>()                // workspace
       .template Attr<int32_t>("kv_format")
+      .template Attr<int32_t>("extra_kv_format")
       .template Attr<float>("sm_scale")
       .template Attr<int64_t>("page_size")
       .template Attr<int64_t>("num_pages")

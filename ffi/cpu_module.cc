@@ -22,7 +22,8 @@ nb::dict format_entry(const jsmla::FormatTraits& f) {
   d["d_qk"] = f.d_qk;
   d["d_v"] = f.d_v;
   d["bytes_per_token"] = f.bytes_per_token;
-  d["fp8_dim"] = f.fp8_dim;
+  d["quant_dim"] = f.quant_dim;
+  d["quant_bits"] = f.quant_bits;
   d["bf16_dim"] = f.bf16_dim;
   d["group_size"] = f.group_size;
   d["num_groups"] = f.num_groups;

@@ -83,6 +83,12 @@ ffi::Error check_plan(const FormatTraits& f, const AttentionParams& a, const Pla
                                        std::to_string(static_cast<int32_t>(Variant::kPrefill)) + "), got " +
                                        std::to_string(plan.variant));
   }
+  if (a.extra.topk > 0 && a.extra.format != f.id) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "extra_kv_format: the CUDA kernels read the extra cache in the main cache's format; format " +
+                          std::to_string(static_cast<int>(a.extra.format)) + " with main format " +
+                          std::to_string(static_cast<int>(f.id)) + " has no CUDA kernel");
+  }
   if (cuda::find_shape(Family::kPortable, f.id, plan.heads_per_block) < 0) {
     return ffi::Error::InvalidArgument("heads_per_block: expected one of {" + head_tiles_text(f.id) +
                                        "} for kv_format " + std::to_string(static_cast<int>(f.id)) + ", got " +
@@ -209,7 +215,8 @@ ffi::Error SparseMlaCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Any
                          ffi::Buffer<ffi::S32> extra_indices, ffi::Buffer<ffi::S32> extra_topk_length,
                          ffi::Buffer<ffi::S32> valid_tokens, ffi::Result<ffi::Buffer<ffi::BF16>> out,
                          ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::U8>> workspace,
-                         int32_t kv_format, float sm_scale, int64_t page_size, int64_t num_pages, int64_t page_stride,
+                         int32_t kv_format, int32_t extra_kv_format, float sm_scale, int64_t page_size,
+                         int64_t num_pages, int64_t page_stride,
                          int64_t row_stride, int64_t extra_page_size, int64_t extra_num_pages,
                          int64_t extra_page_stride, int64_t extra_row_stride, int32_t variant, int32_t num_splits,
                          int32_t split_size, int32_t heads_per_block) {
@@ -217,7 +224,7 @@ ffi::Error SparseMlaCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Any
   const FormatTraits* format = nullptr;
   cuda::SplitKvParams params;
   ffi::Error error = decode_attention(
-      kv_format, sm_scale, {page_size, num_pages, page_stride, row_stride},
+      kv_format, extra_kv_format, sm_scale, {page_size, num_pages, page_stride, row_stride},
       {extra_page_size, extra_num_pages, extra_page_stride, extra_row_stride}, q, kv_cache, indices, topk_length,
       attn_sink, extra_kv_cache, extra_indices, extra_topk_length, valid_tokens, out, lse, &format, &params.attn);
   if (error.failure()) return error;

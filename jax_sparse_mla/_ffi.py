@@ -188,7 +188,9 @@ def call(plan, problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_c
         jax.ShapeDtypeStruct((t, h), jnp.float32),
         jax.ShapeDtypeStruct(plan.workspace_shape, jnp.uint8),
     )
-    attrs = {"kv_format": np.int32(fmt.id), "sm_scale": np.float32(problem.sm_scale)}
+    extra_fmt = problem.extra_fmt if problem.extra_fmt is not None else fmt
+    attrs = {"kv_format": np.int32(fmt.id), "extra_kv_format": np.int32(extra_fmt.id),
+             "sm_scale": np.float32(problem.sm_scale)}
     attrs.update(_geometry("", problem.layout))
     attrs.update(_geometry("extra_", problem.extra_layout))
     attrs.update({k: np.int32(v) for k, v in plan.attrs().items()})

@@ -22,12 +22,13 @@ _OPERANDS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_c
 def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scale: float,
                page_size: Optional[int] = None, topk_length=None, attn_sink=None, extra_kv_cache=None,
                extra_indices=None, extra_topk_length=None, extra_page_size: Optional[int] = None,
-               valid_tokens=None, impl: str = "auto", batch_invariant: bool = False, precision: str = "bf16"):
+               valid_tokens=None, impl: str = "auto", batch_invariant: bool = False, precision: str = "bf16",
+               extra_kv_format: Union[str, KVFormat, None] = None):
     """Token-sparse MLA attention over a paged (FP8) KV cache.
 
     Each query row ``t`` attends to the cache slots listed in ``indices[t]``; invalid candidates
     (out of range, negative, past ``topk_length[t]``, past the format's window) are masked and never
-    read. The softmax is joint over the main and (for ``dsv4``/``dsv4_1``) the extra cache. The
+    read. The softmax is joint over the main and (for the dual-cache formats) the extra cache. The
     semantics, edge cases and accuracy contract are in docs/semantics.md.
 
     Array arguments are JAX arrays, NumPy arrays (their dtype is checked as given) or, under tracing,
@@ -45,8 +46,8 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       page_size: tokens per page; required only for the 2-D ``[num_pages, page_bytes]`` form.
       topk_length: int32 ``[T]``/``[B, S]``: only the first ``topk_length[t]`` entries of row t are used.
       attn_sink: float32 ``[H]``: one extra logit per head whose value vector is zero.
-      extra_kv_cache: the dual cache (``dsv4``, ``dsv4_1``): a cache of the same format with its own
-        shape and page size; given together with ``extra_indices``.
+      extra_kv_cache: the dual cache (``dsv4``, ``dsv4_1``, ``dsv4_nvfp4``, ``dsv4_1_fp4``): a cache of
+        ``extra_kv_format`` with its own shape and page size; given together with ``extra_indices``.
       extra_indices: int32 ``[T, extra_topk]`` (same forms as ``indices``): slots of the extra cache.
       extra_topk_length: int32 ``[T]``/``[B, S]``: like ``topk_length``, for ``extra_indices``.
       extra_page_size: the extra cache's page size, for its 2-D form.
@@ -59,6 +60,9 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
         quantized to FP8 per group of 64 lanes (:func:`jax_sparse_mla.quantize_query_fp8`), with its own
         accuracy bound (docs/semantics.md). ``"fp8"`` runs on the CPU kernel and ``impl="xla"``; on a
         GPU backend without an FP8 kernel it raises ``ValueError`` (never a silent 16-bit fallback).
+      extra_kv_format: the extra cache's format (default: ``kv_format``); the allowed pairs are each
+        dual-cache format with itself, ``("dsv4", "dsv4_nvfp4")`` and ``("dsv4_1", "dsv4_1_fp4")``
+        (``supported_configs()[key]["extra_formats"]``).
 
     Returns:
       ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
@@ -79,7 +83,7 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
         q, kv_cache, indices, kv_format=kv_format, sm_scale=sm_scale, page_size=page_size,
         topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
         extra_topk_length=extra_topk_length, extra_page_size=extra_page_size, valid_tokens=valid_tokens, impl=impl,
-        batch_invariant=batch_invariant, precision=precision)
+        batch_invariant=batch_invariant, precision=precision, extra_kv_format=extra_kv_format)
     lead, t, h = problem.lead_shape, problem.num_tokens, problem.num_heads
     d_v = problem.fmt.d_v
     if t == 0:
@@ -167,14 +171,30 @@ def _batching_rule_op(problem):
     return op
 
 
+def _missing_cuda_kernel(problem) -> Optional[str]:
+    """Why no CUDA kernel can run the call (None when one can): the rules of validate.RULES that a CUDA
+    platform adds (the call is not impl='xla' here)."""
+    fmt, rule, impl = problem.fmt, validate.RULE, problem.impl
+    if not rule["precision_on_platform"].accepts(fmt, problem.precision, impl, "cuda"):
+        return f"precision: {problem.precision!r} has no CUDA kernel yet (FP8 tensor-core compute)"
+    if not rule["format_on_platform"].accepts(fmt, "cuda", impl):
+        return f"kv_format: {fmt.key!r} has no CUDA kernel yet"
+    if problem.extra_fmt is not None and not rule["extra_format_on_platform"].accepts(fmt, problem.extra_fmt.key,
+                                                                                      "cuda", impl):
+        return (f"extra_kv_format: an extra cache in {problem.extra_fmt.key!r} beside a {fmt.key!r} main cache "
+                f"has no CUDA kernel yet")
+    return None
+
+
 def _lower(problem, arrays):
+    # Where no CUDA kernel serves the call, it runs on the CPU kernel (or impl="xla"); on a GPU backend it
+    # raises rather than fall back silently.
+    missing_cuda = None if problem.impl == "xla" else _missing_cuda_kernel(problem)
+    if missing_cuda is not None and (problem.impl in ("decode", "prefill") or jax.default_backend() == "gpu"):
+        raise ValueError(f"{missing_cuda}; on the GPU use impl='xla' (the pure-JAX path) for this call")
     if problem.precision == "fp8":
-        # The mode is the operation on the FP8-quantized query. The CPU kernel and the pure-JAX path run it on
-        # that query; no CUDA kernel computes in FP8 yet, and the mode never falls back to 16-bit compute.
-        platform = "cuda" if problem.impl in ("decode", "prefill") or jax.default_backend() == "gpu" else "cpu"
-        if validate.violations(problem.fmt, precision=problem.precision, impl=problem.impl, platform=platform):
-            raise ValueError("precision: 'fp8' has no CUDA kernel yet (FP8 tensor-core compute); use "
-                             "precision='bf16' on the GPU, or impl='xla' to run the mode's reference there")
+        # The mode is the operation on the FP8-quantized query; the CPU kernel and the pure-JAX path run it
+        # on that query (with P·V in 16 bits, so the default accuracy bound holds).
         arrays = dict(arrays, q=quantize_query_fp8(arrays["q"]))
     get = arrays.get
     if problem.impl == "xla":
@@ -182,7 +202,7 @@ def _lower(problem, arrays):
             get("q"), get("kv_cache"), get("indices"), fmt=problem.fmt, layout=problem.layout,
             sm_scale=problem.sm_scale, topk_length=get("topk_length"), attn_sink=get("attn_sink"),
             extra_kv_cache=get("extra_kv_cache"), extra_indices=get("extra_indices"),
-            extra_topk_length=get("extra_topk_length"), extra_layout=problem.extra_layout,
+            extra_topk_length=get("extra_topk_length"), extra_layout=problem.extra_layout, extra_fmt=problem.extra_fmt,
             valid_tokens=get("valid_tokens"))
     valid_tokens = get("valid_tokens")
     if valid_tokens is None:
@@ -208,7 +228,7 @@ def _lower(problem, arrays):
     if jax.default_backend() == "gpu" and not _ffi.cuda_available():
         raise ValueError(f"impl: 'auto' on a GPU backend needs the CUDA extension: {_cuda_unavailable()}; or "
                          f"pass impl='xla'")
-    if problem.precision == "fp8":  # CPU only (see above)
+    if missing_cuda is not None:  # the CPU only (see above)
         return lower_for("cpu")(*operands)
     # Both platforms are planned; only the branch of the platform being lowered for is emitted, so a
     # program exported for CUDA from a CPU host carries the CUDA plan.

@@ -40,7 +40,7 @@ __all__ = [
 class Layout(enum.IntEnum):
     """How a token's bytes are arranged (values match ``jsmla::Layout``)."""
 
-    INLINE = 0  # each row holds fp8 values, scales and bf16 lanes
+    INLINE = 0  # each row holds the quantized values, scales and bf16 lanes
     FOOTER = 1  # a page holds all data rows, then all scale rows
     BF16 = 2  # unquantized bfloat16 rows
 
@@ -51,14 +51,16 @@ class ScaleKind(enum.IntEnum):
     NONE = 0
     FP32 = 1  # little-endian float32 per group
     UE8M0 = 2  # one exponent byte per group: 2^(b-127)
+    E4M3 = 3  # one float8_e4m3fn byte per group
 
 
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
     """Byte layout of one KV-cache format (docs/formats.md).
 
-    K of a token is ``fp8_dim`` FP8 lanes (dequantized by their group's scale) followed by ``bf16_dim``
-    BF16 lanes; V is the first ``d_v`` lanes of K. The fields mirror the kernels' ``jsmla::FormatTraits``.
+    K of a token is ``quant_dim`` quantized lanes (FP8 or FP4, dequantized by their group's scale) followed
+    by ``bf16_dim`` BF16 lanes; V is the first ``d_v`` lanes of K. The fields mirror the kernels'
+    ``jsmla::FormatTraits``.
 
     Attributes:
       key: the format's name, e.g. ``"dsv3_2"``.
@@ -66,13 +68,16 @@ class KVFormat:
       layout: ``Layout.INLINE`` (self-contained rows), ``Layout.FOOTER`` (a page's data rows, then its
         scale rows) or ``Layout.BF16`` (unquantized rows).
       scale_kind: ``ScaleKind.FP32`` (little-endian float32 per group), ``ScaleKind.UE8M0`` (one
-        exponent byte per group) or ``ScaleKind.NONE``.
+        exponent byte per group), ``ScaleKind.E4M3`` (one float8_e4m3fn byte per group) or
+        ``ScaleKind.NONE``.
       d_qk: query/key width in lanes.
       d_v: value/output width in lanes.
       bytes_per_token: bytes one token occupies (inline: the payload, before any row padding).
-      fp8_dim: FP8 lanes of K (the first lanes).
-      bf16_dim: BF16 lanes of K after the FP8 lanes (the rope lanes; all lanes for ``bf16_*``).
-      group_size: FP8 lanes per scale (0 without scales).
+      quant_dim: quantized lanes of K (the first lanes).
+      quant_bits: 8 (FP8 e4m3, a byte a lane), 4 (FP4 e2m1, two lanes a byte, lane ``2i`` in the low
+        nibble of byte ``i``) or 0 (no quantized lanes).
+      bf16_dim: BF16 lanes of K after the quantized lanes (the rope lanes; all lanes for ``bf16_*``).
+      group_size: quantized lanes per scale (0 without scales).
       num_groups: scales per token.
       data_row_bytes: bytes of a token's data row (inline and bf16: the whole payload).
       scale_offset: byte offset of the first scale in the row that holds the scales (inline: the data
@@ -92,7 +97,8 @@ class KVFormat:
     d_qk: int
     d_v: int
     bytes_per_token: int
-    fp8_dim: int
+    quant_dim: int
+    quant_bits: int
     bf16_dim: int
     group_size: int
     num_groups: int
@@ -107,22 +113,27 @@ class KVFormat:
 
     @property
     def quantized(self) -> bool:
-        """True for the FP8 formats (uint8 caches), False for ``bf16_*``."""
+        """True for the FP8 and FP4 formats (uint8 caches), False for ``bf16_*``."""
         return self.layout != Layout.BF16
 
     @property
     def scale_bytes(self) -> int:
-        """Bytes of one group scale (4 for FP32, 1 for UE8M0, 0 without scales)."""
-        return {ScaleKind.NONE: 0, ScaleKind.FP32: 4, ScaleKind.UE8M0: 1}[self.scale_kind]
+        """Bytes of one group scale (4 for FP32, 1 for UE8M0 and E4M3, 0 without scales)."""
+        return {ScaleKind.NONE: 0, ScaleKind.FP32: 4, ScaleKind.UE8M0: 1, ScaleKind.E4M3: 1}[self.scale_kind]
+
+    @property
+    def quant_bytes(self) -> int:
+        """Bytes of the quantized lanes at the start of a (data) row."""
+        return self.quant_dim * self.quant_bits // 8
 
     def __str__(self) -> str:
         return self.key
 
 
-def _format(*, fp8_dim: int, group_size: int, **fields) -> KVFormat:
-    """A :class:`KVFormat` from its fields; ``num_groups`` follows from the FP8 lanes and the group size."""
-    return KVFormat(fp8_dim=fp8_dim, group_size=group_size, num_groups=fp8_dim // group_size if group_size else 0,
-                    **fields)
+def _format(*, quant_dim: int, group_size: int, **fields) -> KVFormat:
+    """A :class:`KVFormat` from its fields; ``num_groups`` follows from the quantized lanes and the group size."""
+    return KVFormat(quant_dim=quant_dim, group_size=group_size,
+                    num_groups=quant_dim // group_size if group_size else 0, **fields)
 
 
 #: All formats by key (the byte layouts of docs/formats.md).
@@ -130,45 +141,55 @@ FORMATS: dict[str, KVFormat] = {
     f.key: f
     for f in (
         _format(key="dsv3_2", id=0, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
-                d_qk=576, d_v=512, bytes_per_token=656, fp8_dim=512, bf16_dim=64, group_size=128,
+                d_qk=576, d_v=512, bytes_per_token=656, quant_dim=512, quant_bits=8, bf16_dim=64, group_size=128,
                 data_row_bytes=656, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
                 max_candidates=0, pow2_scales=True, dual_cache=False,
                 description="DeepSeek-V3.2: FP8 nope(512) + 4 power-of-two FP32 scales + BF16 rope(64), inline"),
         _format(key="glm_nsa", id=1, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
-                d_qk=576, d_v=512, bytes_per_token=656, fp8_dim=512, bf16_dim=64, group_size=128,
+                d_qk=576, d_v=512, bytes_per_token=656, quant_dim=512, quant_bits=8, bf16_dim=64, group_size=128,
                 data_row_bytes=656, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
                 max_candidates=0, pow2_scales=False, dual_cache=False,
                 description="GLM-5 NSA: FP8 nope(512) + 4 FP32 scales + BF16 rope(64), inline"),
         _format(key="glm53_nope", id=2, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
-                d_qk=512, d_v=512, bytes_per_token=528, fp8_dim=512, bf16_dim=0, group_size=128,
+                d_qk=512, d_v=512, bytes_per_token=528, quant_dim=512, quant_bits=8, bf16_dim=0, group_size=128,
                 data_row_bytes=528, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
                 max_candidates=0, pow2_scales=False, dual_cache=False,
                 description="GLM-5.3 no-RoPE: FP8(512) + 4 FP32 scales, inline (wider legacy rows accepted)"),
         _format(key="dsv4", id=3, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
-                d_qk=512, d_v=512, bytes_per_token=584, fp8_dim=448, bf16_dim=64, group_size=64,
+                d_qk=512, d_v=512, bytes_per_token=584, quant_dim=448, quant_bits=8, bf16_dim=64, group_size=64,
                 data_row_bytes=576, scale_offset=0, scale_row_bytes=8, bf16_offset=448,
                 max_candidates=0, pow2_scales=True, dual_cache=True,
                 description="DeepSeek-V4: FP8 nope(448) + BF16 rope(64); UE8M0 per 64 in a page footer"),
         _format(key="dsv4_1", id=4, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
-                d_qk=512, d_v=512, bytes_per_token=528, fp8_dim=512, bf16_dim=0, group_size=32,
+                d_qk=512, d_v=512, bytes_per_token=528, quant_dim=512, quant_bits=8, bf16_dim=0, group_size=32,
                 data_row_bytes=512, scale_offset=0, scale_row_bytes=16, bf16_offset=512,
                 max_candidates=0, pow2_scales=True, dual_cache=True,
                 description="DeepSeek-V4.1: FP8(512); UE8M0 per 32 in a page footer"),
         _format(key="dots3_swa", id=5, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
-                d_qk=1088, d_v=1024, bytes_per_token=1160, fp8_dim=1024, bf16_dim=64, group_size=128,
+                d_qk=1088, d_v=1024, bytes_per_token=1160, quant_dim=1024, quant_bits=8, bf16_dim=64, group_size=128,
                 data_row_bytes=1152, scale_offset=0, scale_row_bytes=8, bf16_offset=1024,
                 max_candidates=513, pow2_scales=True, dual_cache=False,
                 description="DOTS3 sliding-window MLA: FP8 nope(1024) + BF16 rope(64); UE8M0 per 128 in a page footer"),
         _format(key="bf16_576", id=6, layout=Layout.BF16, scale_kind=ScaleKind.NONE,
-                d_qk=576, d_v=512, bytes_per_token=1152, fp8_dim=0, bf16_dim=576, group_size=0,
+                d_qk=576, d_v=512, bytes_per_token=1152, quant_dim=0, quant_bits=0, bf16_dim=576, group_size=0,
                 data_row_bytes=1152, scale_offset=0, scale_row_bytes=0, bf16_offset=0,
                 max_candidates=0, pow2_scales=False, dual_cache=False,
                 description="unquantized BF16 rows, DeepSeek shape (V = first 512 lanes)"),
         _format(key="bf16_512", id=7, layout=Layout.BF16, scale_kind=ScaleKind.NONE,
-                d_qk=512, d_v=512, bytes_per_token=1024, fp8_dim=0, bf16_dim=512, group_size=0,
+                d_qk=512, d_v=512, bytes_per_token=1024, quant_dim=0, quant_bits=0, bf16_dim=512, group_size=0,
                 data_row_bytes=1024, scale_offset=0, scale_row_bytes=0, bf16_offset=0,
                 max_candidates=0, pow2_scales=False, dual_cache=False,
                 description="unquantized BF16 rows, no-rope shape"),
+        _format(key="dsv4_nvfp4", id=8, layout=Layout.FOOTER, scale_kind=ScaleKind.E4M3,
+                d_qk=512, d_v=512, bytes_per_token=384, quant_dim=448, quant_bits=4, bf16_dim=64, group_size=16,
+                data_row_bytes=352, scale_offset=0, scale_row_bytes=32, bf16_offset=224,
+                max_candidates=0, pow2_scales=False, dual_cache=True,
+                description="DeepSeek-V4 NVFP4: FP4 nope(448) + BF16 rope(64); E4M3 per 16 in a page footer"),
+        _format(key="dsv4_1_fp4", id=9, layout=Layout.FOOTER, scale_kind=ScaleKind.E4M3,
+                d_qk=512, d_v=512, bytes_per_token=288, quant_dim=512, quant_bits=4, bf16_dim=0, group_size=16,
+                data_row_bytes=256, scale_offset=0, scale_row_bytes=32, bf16_offset=256,
+                max_candidates=0, pow2_scales=False, dual_cache=True,
+                description="DeepSeek-V4.1 FP4: FP4(512); E4M3 per 16 in a page footer"),
     )
 }
 
@@ -329,6 +350,12 @@ def _as_pages(cache, layout: CacheLayout):
 # --------------------------------------------------------------------------------------------------
 
 _FP8_MAX = 448.0
+_FP4_MAX = 6.0  # the largest E2M1 magnitude
+_FP4_SCALE_MIN = 2.0 ** -9  # the smallest E4M3 scale of an FP4 group (E4M3's smallest subnormal)
+# E2M1 magnitudes by code, and the rounding thresholds between neighbouring codes: a magnitude exactly on a
+# threshold goes to the even code (> for a threshold above an even code, >= above an odd one).
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def _divide(numerator, denominator):
@@ -349,6 +376,22 @@ def _pow2_scale_bits(amax):
     exponent = (bits >> 23) & 0xFF
     mantissa = bits & 0x7FFFFF
     return exponent + (mantissa != 0).astype(jnp.uint32)
+
+
+def _e2m1_codes(x):
+    """Round-to-nearest-even of float32 ``x`` onto the E2M1 grid, saturating at ±6: uint8 codes 0..15
+    (sign in bit 3; a negative value that rounds to zero keeps its sign, as IEEE rounding does)."""
+    magnitude = jnp.abs(x)
+    code = jnp.zeros(x.shape, jnp.uint8)
+    for threshold, inclusive in _E2M1_THRESHOLDS:
+        code = code + (magnitude >= threshold if inclusive else magnitude > threshold).astype(jnp.uint8)
+    return code | (jnp.signbit(x).astype(jnp.uint8) << 3)
+
+
+def _e2m1_values(codes):
+    """float32 values of E2M1 codes (uint8, the low 4 bits)."""
+    magnitude = jnp.asarray(_E2M1_VALUES, jnp.float32)[(codes & 7).astype(jnp.int32)]
+    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
 
 
 def _to_bytes(x, dtype):
@@ -379,24 +422,29 @@ def encode_rows(kv, kv_format: Union[str, KVFormat]):
         return kv.astype(jnp.bfloat16), None
     n = kv.shape[0]
     x = kv.astype(jnp.float32)
-    nope = x[:, : fmt.fp8_dim].reshape(n, fmt.num_groups, fmt.group_size)
+    nope = x[:, : fmt.quant_dim].reshape(n, fmt.num_groups, fmt.group_size)
     amax = jnp.maximum(jnp.max(jnp.abs(nope), axis=-1), jnp.float32(1e-4))
-    if fmt.pow2_scales:
-        exponent = _pow2_scale_bits(amax)
-        scale = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+    if fmt.quant_bits == 4:
+        scale_e4m3 = jnp.clip(_divide(amax, _FP4_MAX), _FP4_SCALE_MIN, _FP8_MAX).astype(jnp.float8_e4m3fn)
+        codes = _e2m1_codes(_divide(nope, scale_e4m3.astype(jnp.float32)[..., None])).reshape(n, fmt.quant_dim)
+        pieces = [codes[:, 0::2] | (codes[:, 1::2] << 4)]  # lane 2i in the low nibble of byte i
+        scale_bytes = jax.lax.bitcast_convert_type(scale_e4m3, jnp.uint8)
     else:
-        scale = _divide(amax, _FP8_MAX)
-    scaled = jnp.clip(_divide(nope, scale[..., None]), -_FP8_MAX, _FP8_MAX)
-    fp8_bytes = _to_bytes(scaled.reshape(n, fmt.fp8_dim), jnp.float8_e4m3fn)
-    pieces = [fp8_bytes]
-    if fmt.scale_kind == ScaleKind.FP32:
-        scale_bytes = _to_bytes(scale, jnp.float32)
-    else:
-        scale_bytes = exponent.astype(jnp.uint8)
+        if fmt.pow2_scales:
+            exponent = _pow2_scale_bits(amax)
+            scale = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+        else:
+            scale = _divide(amax, _FP8_MAX)
+        scaled = jnp.clip(_divide(nope, scale[..., None]), -_FP8_MAX, _FP8_MAX)
+        pieces = [_to_bytes(scaled.reshape(n, fmt.quant_dim), jnp.float8_e4m3fn)]
+        if fmt.scale_kind == ScaleKind.FP32:
+            scale_bytes = _to_bytes(scale, jnp.float32)
+        else:
+            scale_bytes = exponent.astype(jnp.uint8)
     if fmt.layout == Layout.INLINE:
         pieces.append(scale_bytes)
     if fmt.bf16_dim:
-        pieces.append(_to_bytes(x[:, fmt.fp8_dim:], jnp.bfloat16))
+        pieces.append(_to_bytes(x[:, fmt.quant_dim:], jnp.bfloat16))
     data = jnp.concatenate(pieces, axis=-1)
     if fmt.layout == Layout.INLINE:
         return data, jnp.zeros((n, 0), jnp.uint8)
@@ -548,19 +596,26 @@ def decode_rows(data, scales, kv_format: Union[str, KVFormat]):
     if not fmt.quantized:
         return data.astype(jnp.float32)
     lead = data.shape[:-1]
-    fp8 = jax.lax.bitcast_convert_type(data[..., : fmt.fp8_dim], jnp.float8_e4m3fn).astype(jnp.float32)
+    if fmt.quant_bits == 4:
+        packed = data[..., : fmt.quant_bytes]
+        codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*lead, fmt.quant_dim)
+        quant = _e2m1_values(codes)
+    else:
+        quant = jax.lax.bitcast_convert_type(data[..., : fmt.quant_dim], jnp.float8_e4m3fn).astype(jnp.float32)
     source = data if fmt.layout == Layout.INLINE else scales
     offset = fmt.scale_offset
     raw = source[..., offset: offset + fmt.num_groups * fmt.scale_bytes]
     if fmt.scale_kind == ScaleKind.FP32:
         scale = jax.lax.bitcast_convert_type(raw.reshape(*lead, fmt.num_groups, 4), jnp.float32)
+    elif fmt.scale_kind == ScaleKind.E4M3:
+        scale = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn).astype(jnp.float32)
     else:
         exponent = raw.astype(jnp.uint32)
         scale = jnp.where(exponent == 0,
                           jnp.float32(2.0 ** -127),
                           jax.lax.bitcast_convert_type(exponent << 23, jnp.float32))
         scale = jnp.where(exponent == 255, jnp.float32(jnp.nan), scale)
-    k = (fp8.reshape(*lead, fmt.num_groups, fmt.group_size) * scale[..., None]).reshape(*lead, fmt.fp8_dim)
+    k = (quant.reshape(*lead, fmt.num_groups, fmt.group_size) * scale[..., None]).reshape(*lead, fmt.quant_dim)
     if fmt.bf16_dim:
         raw16 = data[..., fmt.bf16_offset: fmt.bf16_offset + 2 * fmt.bf16_dim].reshape(*lead, fmt.bf16_dim, 2)
         rope = jax.lax.bitcast_convert_type(raw16, jnp.bfloat16).astype(jnp.float32)

@@ -27,7 +27,7 @@ from .formats import FORMATS, get_format
 
 __all__ = ["KernelConfig", "VARIANT_IDS", "MIN_HEADS", "MAX_HEADS", "MIN_TOPK", "SPLIT_GRANULE",
            "MIN_COMPUTE_CAPABILITY", "HOPPER_COMPUTE_CAPABILITY", "FAMILIES", "KERNELS", "HOPPER_KERNELS",
-           "HEAD_TILES", "workspace_bytes", "kernel_family"]
+           "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "kernel_family"]
 
 _TABLES = _cpu_ext.kernel_tables()
 
@@ -64,6 +64,11 @@ KERNELS: dict = FAMILIES["portable"]
 HOPPER_KERNELS: dict = FAMILIES.get("hopper", {})
 #: Instantiated head tiles per format, ascending.
 HEAD_TILES: dict = {key: tuple(sorted(h for (k, h) in KERNELS if k == key)) for key in dict.fromkeys(k for k, _ in KERNELS)}
+
+
+def has_cuda_kernels(kv_format: str) -> bool:
+    """Whether the CUDA kernels serve a format (its portable instances exist)."""
+    return get_format(kv_format).key in HEAD_TILES
 
 
 def workspace_bytes(num_splits: int, num_tokens: int, num_heads: int, d_v: int) -> int:

@@ -24,7 +24,7 @@ import numpy as np
 from . import _ffi, calibration_store, kernel_tables
 from .formats import KVFormat, get_format
 from .kernel_tables import VARIANT_IDS
-from .validate import violations
+from .validate import RULE
 
 __all__ = ["DeviceInfo", "DEFAULT_CUDA_DEVICE", "CostModel", "Plan", "plan", "clear_cache", "device_info",
            "VARIANT_IDS"]
@@ -304,16 +304,19 @@ def _check_plan_arguments(fmt: KVFormat, q_shape, topk, extra_topk, platform, im
                          f"got {q_shape!r}")
     if impl == "xla":
         raise ValueError("impl: expected 'auto', 'decode' or 'prefill' for planning, got 'xla' (it never plans)")
-    checks = [("q_shape", dict(num_heads=int(shape[-2]))), ("topk", dict(topk=topk)),
-              ("platform", dict(platform=platform)), ("impl", dict(impl=impl)),
-              ("impl", dict(impl=impl, platform=platform)),
-              ("batch_invariant", dict(batch_invariant=batch_invariant, impl=impl))]
+    # (argument named in the error, rule, the values it reads)
+    checks = [("q_shape", "num_heads", dict(num_heads=int(shape[-2]))), ("topk", "topk", dict(topk=topk)),
+              ("platform", "platform", dict(platform=platform)), ("impl", "impl", dict(impl=impl)),
+              ("impl", "impl_on_platform", dict(impl=impl, platform=platform)),
+              ("batch_invariant", "batch_invariant", dict(batch_invariant=batch_invariant, impl=impl))]
     if extra_topk != 0:
-        checks.append(("extra_topk", dict(topk=extra_topk, dual_cache=True)))
-    for argument, given in checks:
-        problems = violations(fmt, **given)
-        if problems:
-            raise ValueError(f"{argument}: unsupported for format {fmt.key}: {'; '.join(problems)}")
+        checks += [("extra_topk", "topk", dict(topk=extra_topk)), ("extra_topk", "dual_cache", dict(dual_cache=True))]
+    for argument, name, given in checks:
+        problem = RULE[name].violation(fmt, given)
+        if problem is not None:
+            raise ValueError(f"{argument}: unsupported for format {fmt.key}: {problem}")
+    if RULE["format_on_platform"].violation(fmt, dict(platform=platform, impl=impl)) is not None:
+        raise ValueError(f"kv_format: {fmt.key!r} has no CUDA kernel yet; plan for platform='cpu' or use impl='xla'")
 
 
 def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int = 0, platform: str,

@@ -36,7 +36,8 @@ def _gather_keys(cache, layout, fmt, indices, valid):
 
 def sparse_mla_reference(q, kv_cache, indices, *, fmt: KVFormat, layout: CacheLayout, sm_scale: float,
                          topk_length=None, attn_sink=None, extra_kv_cache=None, extra_indices=None,
-                         extra_topk_length=None, extra_layout: Optional[CacheLayout] = None, valid_tokens=None):
+                         extra_topk_length=None, extra_layout: Optional[CacheLayout] = None, valid_tokens=None,
+                         extra_fmt: Optional[KVFormat] = None):
     """Sparse MLA on flattened rows.
 
     Args:
@@ -50,8 +51,9 @@ def sparse_mla_reference(q, kv_cache, indices, *, fmt: KVFormat, layout: CacheLa
     valid = candidate_mask(indices, layout, fmt, topk_length)
     keys = _gather_keys(kv_cache, layout, fmt, indices, valid)
     if extra_kv_cache is not None:
-        extra_valid = candidate_mask(extra_indices, extra_layout, fmt, extra_topk_length)
-        extra_keys = _gather_keys(extra_kv_cache, extra_layout, fmt, extra_indices, extra_valid)
+        extra_fmt = fmt if extra_fmt is None else extra_fmt
+        extra_valid = candidate_mask(extra_indices, extra_layout, extra_fmt, extra_topk_length)
+        extra_keys = _gather_keys(extra_kv_cache, extra_layout, extra_fmt, extra_indices, extra_valid)
         valid = jnp.concatenate([valid, extra_valid], axis=1)
         keys = jnp.concatenate([keys, extra_keys], axis=1)
 

@@ -29,7 +29,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .api import sparse_mla
 from .formats import KVFormat
 
-__all__ = ["SparseMLASpecs", "sparse_mla_specs", "sharded_sparse_mla"]
+__all__ = ["SparseMLASpecs", "sparse_mla_specs", "sharded_sparse_mla", "collectives_in"]
+
+#: HLO collective operations (their asynchronous -start/-done forms included).
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 #: A mesh axis name, a tuple of names (one array axis split over several mesh axes), or None.
 MeshAxes = Union[str, tuple, None]
@@ -194,3 +197,14 @@ def sharded_sparse_mla(mesh, *, kv_format: Union[str, KVFormat], sm_scale: float
         return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_specs,), out_specs=(specs.out, specs.lse))(arrays)
 
     return sharded
+
+
+def collectives_in(hlo_text: str) -> list:
+    """The collective operations (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute)
+    a compiled program's HLO text contains, sorted: ``[]`` for a sharded step that communicates nothing.
+
+    Example: ``collectives_in(jax.jit(step).lower(*args).compile().as_text())``.
+    """
+    import re
+
+    return sorted(name for name in COLLECTIVES if re.search(rf"\b{name}(-start|-done)?\(", hlo_text))

@@ -23,11 +23,22 @@ import numpy as np
 from . import kernel_tables
 from .formats import FORMATS, CacheLayout, KVFormat, cache_layout, get_format, quantize_kv
 
-__all__ = ["ENVELOPE", "IMPLS", "PRECISIONS", "RULES", "Rule", "Problem", "as_operand", "normalize", "violations",
-           "supported_configs", "check_supported"]
+__all__ = ["ENVELOPE", "IMPLS", "PRECISIONS", "DUAL_CACHE_PAIRS", "extra_formats", "RULES", "RULE", "Rule",
+           "Problem", "as_operand", "normalize", "violations", "supported_configs", "check_supported"]
 
 #: Values of ``impl=``.
 IMPLS = ("auto", "decode", "prefill", "xla")
+#: The (main, extra) format pairs of a dual cache: each dual-cache format with itself, and the FP4 caches
+#: as the extra cache of the FP8 format of the same layout (docs/formats.md).
+DUAL_CACHE_PAIRS = tuple(sorted({(k, k) for k, f in FORMATS.items() if f.dual_cache}
+                                | {("dsv4", "dsv4_nvfp4"), ("dsv4_1", "dsv4_1_fp4")}))
+
+
+def extra_formats(kv_format: str) -> tuple:
+    """The formats an extra cache of a ``kv_format`` main cache may have (empty without a dual form)."""
+    return tuple(extra for main, extra in DUAL_CACHE_PAIRS if main == kv_format)
+
+
 #: Values of ``precision=``: 16-bit compute, or the query quantized to FP8 (docs/semantics.md).
 PRECISIONS = ("bf16", "fp8")
 
@@ -53,6 +64,8 @@ class Rule:
     axes: tuple  # the axes it reads; it applies when every one of them is given
     accepts: Callable[..., bool]  # accepts(fmt, *values in the order of axes)
     allowed: Callable[[KVFormat], str]
+    #: The violation as text, when "axis=value (allowed ...)" would not say what is missing.
+    describe: Optional[Callable[..., str]] = None  # describe(fmt, *values)
 
     def violation(self, fmt: KVFormat, given: dict) -> Optional[str]:
         """``None`` when the rule accepts ``given`` (or does not apply), else the violation as text."""
@@ -61,6 +74,8 @@ class Rule:
         values = [given[axis] for axis in self.axes]
         if self.accepts(fmt, *values):
             return None
+        if self.describe is not None:
+            return self.describe(fmt, *values)
         return ", ".join(f"{a}={v!r}" for a, v in zip(self.axes, values)) + f" (allowed {self.allowed(fmt)})"
 
 
@@ -131,14 +146,28 @@ RULES = (
     Rule("precision_on_platform", ("precision", "impl", "platform"), _precision_runs,
          lambda fmt: "; ".join(f"{p}: {', '.join(map(repr, v['precisions']))}" for p, v in ENVELOPE["platforms"].items())
          + "; any with impl 'xla'"),
+    Rule("format_on_platform", ("platform", "impl"),
+         lambda fmt, platform, impl: impl == "xla" or platform != "cuda" or kernel_tables.has_cuda_kernels(fmt.key),
+         lambda fmt: "the CPU kernel and impl='xla' for every format; CUDA for the formats with kernels",
+         lambda fmt, platform, impl: (f"platform='cuda' for {fmt.key} (no CUDA kernel yet; the CPU kernel and "
+                                      f"impl='xla' serve it)")),
     Rule("dual_cache", ("dual_cache",), lambda fmt, dual: not dual or fmt.dual_cache,
          lambda fmt: f"only for {_dual_formats()}"),
+    Rule("extra_kv_format", ("extra_kv_format",),
+         lambda fmt, extra: not fmt.dual_cache or extra in extra_formats(fmt.key),  # else: the dual_cache rule
+         lambda fmt: str(list(extra_formats(fmt.key)))),
+    Rule("extra_format_on_platform", ("extra_kv_format", "platform", "impl"),
+         lambda fmt, extra, platform, impl: impl == "xla" or platform != "cuda" or extra == fmt.key,
+         lambda fmt: "an extra cache of another format on the CPU kernel or with impl='xla'",
+         lambda fmt, extra, platform, impl: (f"extra_kv_format={extra!r} with platform='cuda' (an extra cache in "
+                                             f"{extra!r} beside a {fmt.key!r} main cache has no CUDA kernel yet)")),
     Rule("batch_invariant", ("batch_invariant", "impl"),
          lambda fmt, invariant, impl: not invariant or impl in ("auto", "decode"),
          lambda fmt: "only with impl 'auto' or 'decode' (the split-K kernel fixes its reduction order; "
                      "'prefill' reduces the whole list in one pass, 'xla' leaves the order to XLA)"),
 )
-_RULE = {rule.name: rule for rule in RULES}
+#: RULES by name.
+RULE = {rule.name: rule for rule in RULES}
 
 
 def violations(kv_format: Union[str, KVFormat], **given) -> list:
@@ -162,6 +191,7 @@ class Problem:
     sm_scale: float
     impl: str
     precision: str = "bf16"
+    extra_fmt: Optional[KVFormat] = None  # the extra cache's format (None without an extra cache)
     batch_invariant: bool = False
 
 
@@ -238,8 +268,8 @@ def _row_array(name, x, lead, allow_unit_axis):
 
 
 def _check_topk(name, x, topk, fmt):
-    if not _RULE["topk"].accepts(fmt, topk):
-        raise ValueError(f"{name}: expected topk {_RULE['topk'].allowed(fmt)}, got {_describe(x)}")
+    if not RULE["topk"].accepts(fmt, topk):
+        raise ValueError(f"{name}: expected topk {RULE['topk'].allowed(fmt)}, got {_describe(x)}")
 
 
 def _check_lengths(name, x, lead):
@@ -251,7 +281,8 @@ def _check_lengths(name, x, lead):
 
 def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk_length=None, attn_sink=None,
               extra_kv_cache=None, extra_indices=None, extra_topk_length=None, extra_page_size=None,
-              valid_tokens=None, impl="auto", batch_invariant=False, precision="bf16") -> Problem:
+              valid_tokens=None, impl="auto", batch_invariant=False, precision="bf16",
+              extra_kv_format=None) -> Problem:
     """Validates every argument of :func:`jax_sparse_mla.sparse_mla` and returns the static :class:`Problem`.
 
     Array arguments are arrays (or ShapeDtypeStructs); :func:`as_operand` converts Python values first.
@@ -259,19 +290,19 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
     fmt = get_format(kv_format)
     if not isinstance(impl, str):
         raise TypeError(f"impl: expected one of {IMPLS}, got {type(impl).__name__}")
-    if not _RULE["impl"].accepts(fmt, impl):
-        raise ValueError(f"impl: expected one of {_RULE['impl'].allowed(fmt)}, got {impl!r}")
+    if not RULE["impl"].accepts(fmt, impl):
+        raise ValueError(f"impl: expected one of {RULE['impl'].allowed(fmt)}, got {impl!r}")
     if not isinstance(precision, str):
         raise TypeError(f"precision: expected one of {PRECISIONS}, got {type(precision).__name__}")
-    if not _RULE["precision"].accepts(fmt, precision):
-        raise ValueError(f"precision: expected one of {_RULE['precision'].allowed(fmt)}, got {precision!r}")
+    if not RULE["precision"].accepts(fmt, precision):
+        raise ValueError(f"precision: expected one of {RULE['precision'].allowed(fmt)}, got {precision!r}")
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"sm_scale: expected a Python float (static), got {_describe(sm_scale)}")
     sm_scale = float(sm_scale)
     if not isinstance(batch_invariant, (bool, np.bool_)):
         raise TypeError(f"batch_invariant: expected a bool, got {_describe(batch_invariant)}")
-    if not _RULE["batch_invariant"].accepts(fmt, batch_invariant, impl):
-        raise ValueError(f"batch_invariant: True is served {_RULE['batch_invariant'].allowed(fmt)}, got "
+    if not RULE["batch_invariant"].accepts(fmt, batch_invariant, impl):
+        raise ValueError(f"batch_invariant: True is served {RULE['batch_invariant'].allowed(fmt)}, got "
                          f"impl={impl!r}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale: expected a finite float, got {sm_scale}")
@@ -279,7 +310,7 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
     for name, x in (("q", q), ("kv_cache", kv_cache), ("indices", indices)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name}: expected an array, got {_describe(x)}")
-    heads = _RULE["num_heads"]
+    heads = RULE["num_heads"]
     q_expected = (f"bfloat16 [T, H, {fmt.d_qk}] or [B, S, H, {fmt.d_qk}] with H in {heads.allowed(fmt)} "
                   f"(format {fmt.key})")
     _check_dtype("q", q, jnp.bfloat16, q_expected)
@@ -312,12 +343,14 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
     if (extra_kv_cache is None) != (extra_indices is None):
         given = "extra_kv_cache" if extra_kv_cache is not None else "extra_indices"
         raise ValueError(f"extra_kv_cache/extra_indices: expected both or neither, got only {given}")
+    extra_fmt = None
     if extra_kv_cache is None:
-        for name, value in (("extra_topk_length", extra_topk_length), ("extra_page_size", extra_page_size)):
+        for name, value in (("extra_topk_length", extra_topk_length), ("extra_page_size", extra_page_size),
+                            ("extra_kv_format", extra_kv_format)):
             if value is not None:
                 raise ValueError(f"{name}: given without extra_kv_cache/extra_indices")
     else:
-        if not _RULE["dual_cache"].accepts(fmt, True):
+        if not RULE["dual_cache"].accepts(fmt, True):
             raise ValueError(f"extra_kv_cache: format {fmt.key} has no dual-cache form (formats with one: "
                              f"{_dual_formats()})")
         for name, x in (("extra_kv_cache", extra_kv_cache), ("extra_indices", extra_indices)):
@@ -327,11 +360,15 @@ def normalize(q, kv_cache, indices, *, kv_format, sm_scale, page_size=None, topk
         _check_topk("extra_indices", extra_indices, extra_topk, fmt)
         if extra_topk_length is not None:
             _check_lengths("extra_topk_length", extra_topk_length, lead)
-        extra_layout = cache_layout(extra_kv_cache, fmt, extra_page_size, name="extra_kv_cache")
+        extra_fmt = fmt if extra_kv_format is None else get_format(extra_kv_format)
+        if not RULE["extra_kv_format"].accepts(fmt, extra_fmt.key):
+            raise ValueError(f"extra_kv_format: expected one of {RULE['extra_kv_format'].allowed(fmt)} for a "
+                             f"{fmt.key} main cache, got {extra_fmt.key!r}")
+        extra_layout = cache_layout(extra_kv_cache, extra_fmt, extra_page_size, name="extra_kv_cache")
 
     return Problem(fmt=fmt, lead_shape=lead, num_tokens=num_tokens, num_heads=num_heads, topk=int(topk),
                    extra_topk=int(extra_topk), layout=layout, extra_layout=extra_layout, sm_scale=sm_scale,
-                   impl=impl, batch_invariant=bool(batch_invariant), precision=precision)
+                   impl=impl, batch_invariant=bool(batch_invariant), precision=precision, extra_fmt=extra_fmt)
 
 
 def _page_rules(fmt: KVFormat) -> str:
@@ -365,9 +402,11 @@ def supported_configs() -> dict[str, dict[str, Any]]:
             "window": fmt.max_candidates or None,
             "page_size_rules": _page_rules(fmt),
             "dual_cache": fmt.dual_cache,
+            "extra_formats": list(extra_formats(key)),
             "platforms": {
                 "cpu": {"variants": list(ENVELOPE["platforms"]["cpu"]["variants"])},
-                "cuda": {"variants": list(ENVELOPE["platforms"]["cuda"]["variants"]),
+                "cuda": {"variants": list(ENVELOPE["platforms"]["cuda"]["variants"])
+                         if kernel_tables.has_cuda_kernels(key) else [],
                          "archs": list(ENVELOPE["platforms"]["cuda"]["archs"])},
                 "xla": {"variants": ["reference"]},
             },
@@ -377,7 +416,8 @@ def supported_configs() -> dict[str, dict[str, Any]]:
 
 def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int] = None, topk: Optional[int] = None,
                     page_size: Optional[int] = None, platform: Optional[str] = None, impl: str = "auto",
-                    dual_cache: bool = False, batch_invariant: bool = False, precision: str = "bf16") -> None:
+                    dual_cache: bool = False, extra_kv_format: Optional[Union[str, KVFormat]] = None,
+                    batch_invariant: bool = False, precision: str = "bf16") -> None:
     """Raises ``ValueError`` naming every violated axis (and its allowed values) of a configuration.
 
     Only the axes given are checked, against the same rules ``sparse_mla`` and ``plan`` enforce.
@@ -392,6 +432,7 @@ def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int]
       platform: ``"cpu"`` or ``"cuda"`` (None: any).
       impl: an ``impl=`` value of :func:`~jax_sparse_mla.sparse_mla`.
       dual_cache: whether an extra cache is used.
+      extra_kv_format: the extra cache's format, when it differs from ``kv_format`` (implies ``dual_cache``).
       batch_invariant: the ``batch_invariant=`` value of :func:`~jax_sparse_mla.sparse_mla`.
       precision: the ``precision=`` value of :func:`~jax_sparse_mla.sparse_mla`.
 
@@ -402,7 +443,10 @@ def check_supported(kv_format: Union[str, KVFormat], *, num_heads: Optional[int]
         fmt = get_format(kv_format)
     except (TypeError, ValueError) as e:
         raise ValueError(str(e)) from None
+    if isinstance(extra_kv_format, KVFormat):
+        extra_kv_format = extra_kv_format.key
     problems = violations(fmt, num_heads=num_heads, topk=topk, page_size=page_size, platform=platform, impl=impl,
-                          dual_cache=dual_cache, batch_invariant=batch_invariant, precision=precision)
+                          dual_cache=dual_cache or extra_kv_format is not None, extra_kv_format=extra_kv_format,
+                          batch_invariant=batch_invariant, precision=precision)
     if problems:
         raise ValueError(f"unsupported configuration for format {fmt.key}: " + "; ".join(problems))

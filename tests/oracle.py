@@ -32,22 +32,23 @@ class Spec:
     d_qk: int
     d_v: int
     bytes_per_token: int
-    fp8_lanes: int  # leading K lanes stored as FP8
+    quant_lanes: int  # leading K lanes stored quantized (FP8, or FP4 when bits == 4)
     bf16_lanes: int  # trailing K lanes stored as BF16 (rope), or the whole row for bf16_*
-    group: int  # FP8 lanes per scale
-    scale: Optional[str]  # "fp32", "ue8m0" or None
+    group: int  # quantized lanes per scale
+    scale: Optional[str]  # "fp32", "ue8m0", "e4m3" or None
     pow2: bool  # power-of-two scales from quantize_kv
-    fp8_offset: int  # byte offset of the FP8 lanes in the (data) row
+    quant_offset: int  # byte offset of the quantized lanes in the (data) row
     scale_offset: int  # inline: offset of the scales in the row; footer: offset in the scale row
     bf16_offset: int  # offset of the BF16 lanes in the (data) row
     data_row: int  # footer: bytes of a data row; inline: bytes/token; bf16: 2*d_qk
     scale_row: int  # footer: bytes of a scale row; 0 otherwise
     window: int  # 0 = none
     dual: bool
+    bits: int = 8  # bits of a quantized lane: 8 (e4m3) or 4 (e2m1, lane 2i in the low nibble of byte i)
 
     @property
     def groups(self) -> int:
-        return self.fp8_lanes // self.group if self.group else 0
+        return self.quant_lanes // self.group if self.group else 0
 
     @property
     def quantized(self) -> bool:
@@ -55,7 +56,7 @@ class Spec:
 
     @property
     def scale_width(self) -> int:
-        return {"fp32": 4, "ue8m0": 1, None: 0}[self.scale]
+        return {"fp32": 4, "ue8m0": 1, "e4m3": 1, None: 0}[self.scale]
 
 
 SPECS = {
@@ -75,6 +76,10 @@ SPECS = {
              False),
         Spec("bf16_576", "bf16", 576, 512, 1152, 0, 576, 0, None, False, 0, 0, 0, 1152, 0, 0, False),
         Spec("bf16_512", "bf16", 512, 512, 1024, 0, 512, 0, None, False, 0, 0, 0, 1024, 0, 0, False),
+        # data row 352 = FP4 nope(448, 224 bytes) ++ BF16 rope(64); scale row 32 = 28 E4M3 (per 16) + 4 pad.
+        Spec("dsv4_nvfp4", "footer", 512, 512, 384, 448, 64, 16, "e4m3", False, 0, 0, 224, 352, 32, 0, True, bits=4),
+        # data row 256 = FP4(512); scale row 32 = 32 E4M3 (per 16).
+        Spec("dsv4_1_fp4", "footer", 512, 512, 288, 512, 0, 16, "e4m3", False, 0, 0, 256, 256, 32, 0, True, bits=4),
     )
 }
 
@@ -179,6 +184,16 @@ def _fp32_to_f64(b: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _fp4_to_f64(b: np.ndarray) -> np.ndarray:
+    """Packed FP4 bytes [..., n] -> float64 [..., 2n]: lane 2i is the low nibble of byte i."""
+    b = np.asarray(b, np.uint8)
+    codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+    return np.where(codes & 8, -1.0, 1.0) * E2M1_MAGNITUDES[codes & 7]
+
+
 def _ue8m0_to_f64(b: np.ndarray) -> np.ndarray:
     return np.where(b == 255, np.nan, np.ldexp(1.0, b.astype(np.int64) - 127))
 
@@ -189,11 +204,14 @@ def decode_tokens(data: np.ndarray, scales: Optional[np.ndarray], key: str) -> n
     n = data.shape[0]
     if spec.kind == "bf16":
         return _bf16_to_f64(data[:, : 2 * spec.d_qk])
-    fp8 = _fp8_to_f64(data[:, spec.fp8_offset: spec.fp8_offset + spec.fp8_lanes])
+    if spec.bits == 4:
+        quant = _fp4_to_f64(data[:, spec.quant_offset: spec.quant_offset + spec.quant_lanes // 2])
+    else:
+        quant = _fp8_to_f64(data[:, spec.quant_offset: spec.quant_offset + spec.quant_lanes])
     source = data if spec.kind == "inline" else scales
     raw = source[:, spec.scale_offset: spec.scale_offset + spec.groups * spec.scale_width]
-    scale = _fp32_to_f64(raw) if spec.scale == "fp32" else _ue8m0_to_f64(raw)
-    k = (fp8.reshape(n, spec.groups, spec.group) * scale[:, :, None]).reshape(n, spec.fp8_lanes)
+    scale = {"fp32": _fp32_to_f64, "ue8m0": _ue8m0_to_f64, "e4m3": _fp8_to_f64}[spec.scale](raw)
+    k = (quant.reshape(n, spec.groups, spec.group) * scale[:, :, None]).reshape(n, spec.quant_lanes)
     if spec.bf16_lanes:
         rope = _bf16_to_f64(data[:, spec.bf16_offset: spec.bf16_offset + 2 * spec.bf16_lanes])
         k = np.concatenate([k, rope], axis=1)
@@ -257,8 +275,10 @@ def encode_tokens(kv: np.ndarray, key: str):
     assert x.shape[1] == spec.d_qk and np.all(np.isfinite(x))
     if spec.kind == "bf16":
         return x.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(n, -1), np.zeros((n, 0), np.uint8)
-    nope = x[:, : spec.fp8_lanes].reshape(n, spec.groups, spec.group)
+    nope = x[:, : spec.quant_lanes].reshape(n, spec.groups, spec.group)
     amax = np.maximum(np.abs(nope).max(axis=-1), AMAX_FLOOR).astype(np.float32)
+    if spec.bits == 4:
+        return _encode_fp4_tokens(x, nope, amax, spec)
     if spec.pow2:
         k = pow2_exponent(amax / FP8_MAX)
         scale = np.ldexp(np.float32(1.0), k).astype(np.float32)
@@ -270,18 +290,48 @@ def encode_tokens(kv: np.ndarray, key: str):
         scale_bytes = scale.astype("<f4").view(np.uint8).reshape(n, -1)
     else:
         scale_bytes = (k + 127).astype(np.uint8)
-    rope = x[:, spec.fp8_lanes:].astype(ml_dtypes.bfloat16).view(np.uint8).reshape(n, -1)
+    rope = x[:, spec.quant_lanes:].astype(ml_dtypes.bfloat16).view(np.uint8).reshape(n, -1)
     if spec.kind == "inline":
         row = np.zeros((n, spec.bytes_per_token), np.uint8)
-        row[:, spec.fp8_offset: spec.fp8_offset + spec.fp8_lanes] = fp8
+        row[:, spec.quant_offset: spec.quant_offset + spec.quant_lanes] = fp8
         row[:, spec.scale_offset: spec.scale_offset + scale_bytes.shape[1]] = scale_bytes
         row[:, spec.bf16_offset: spec.bf16_offset + rope.shape[1]] = rope
         return row, np.zeros((n, 0), np.uint8)
     data = np.zeros((n, spec.data_row), np.uint8)
-    data[:, spec.fp8_offset: spec.fp8_offset + spec.fp8_lanes] = fp8
+    data[:, spec.quant_offset: spec.quant_offset + spec.quant_lanes] = fp8
     data[:, spec.bf16_offset: spec.bf16_offset + rope.shape[1]] = rope
     scales = np.zeros((n, spec.scale_row), np.uint8)  # the dsv4 pad byte stays zero
     scales[:, spec.scale_offset: spec.scale_offset + scale_bytes.shape[1]] = scale_bytes
+    return data, scales
+
+
+def e2m1_round(v: np.ndarray) -> np.ndarray:
+    """Codes (uint8, sign in bit 3) of float32 values rounded to the nearest E2M1 value, saturating at ±6;
+    a tie goes to the even code (found by distance to every grid value, not by thresholds)."""
+    v = np.asarray(v, np.float32)
+    magnitude = np.minimum(np.abs(v).astype(np.float64), 6.0)
+    distance = np.abs(magnitude[..., None] - E2M1_MAGNITUDES)
+    best = distance.min(axis=-1, keepdims=True)
+    candidates = np.where(distance == best, np.arange(8), 99)
+    even = np.where(candidates % 2 == 0, candidates, 99).min(axis=-1)
+    code = np.where(even < 99, even, candidates.min(axis=-1)).astype(np.uint8)
+    return code | (np.signbit(v).astype(np.uint8) << 3)
+
+
+def _encode_fp4_tokens(x, nope, amax, spec):
+    """FP4 rows: E4M3 scale = e4m3(clamp(amax / 6, 2^-9, 448)), E2M1 codes of x / scale, packed in pairs."""
+    n = x.shape[0]
+    ratio = (amax / np.float32(6.0)).astype(np.float32)
+    scale8 = np.clip(ratio, np.float32(2.0 ** -9), FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    scale = scale8.astype(np.float32)
+    codes = e2m1_round((nope / scale[:, :, None]).astype(np.float32)).reshape(n, -1)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    data = np.zeros((n, spec.data_row), np.uint8)
+    data[:, spec.quant_offset: spec.quant_offset + packed.shape[1]] = packed
+    rope = x[:, spec.quant_lanes:].astype(ml_dtypes.bfloat16).view(np.uint8).reshape(n, -1)
+    data[:, spec.bf16_offset: spec.bf16_offset + rope.shape[1]] = rope
+    scales = np.zeros((n, spec.scale_row), np.uint8)  # the dsv4_nvfp4 pad bytes stay zero
+    scales[:, : spec.groups] = scale8.view(np.uint8)
     return data, scales
 
 

@@ -7,8 +7,6 @@ import pathlib
 import subprocess
 import sys
 
-import benchmark_scripts
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -29,7 +27,8 @@ def test_sharded_benchmark_has_no_collective_and_matches_unsharded(tmp_path):
 
 
 def test_collective_detection():
-    bench_sharded = benchmark_scripts.load("bench_sharded")
-    assert bench_sharded.collectives_in("%x = f32[4] all-reduce(f32[4] %y), replica_groups={}") == ["all-reduce"]
-    assert bench_sharded.collectives_in("%s = (f32[8]) all-gather-start(%p)\n%d = all-gather-done(%s)") == ["all-gather"]
-    assert bench_sharded.collectives_in("%c = f32[4] custom-call(%a), custom_call_target=\"jax_sparse_mla_fwd_v2\"") == []
+    from jax_sparse_mla.sharding import collectives_in
+
+    assert collectives_in("%x = f32[4] all-reduce(f32[4] %y), replica_groups={}") == ["all-reduce"]
+    assert collectives_in("%s = (f32[8]) all-gather-start(%p)\n%d = all-gather-done(%s)") == ["all-gather"]
+    assert collectives_in("%c = f32[4] custom-call(%a), custom_call_target=\"jax_sparse_mla_fwd_v2\"") == []

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import benchmark_scripts
 import jax_sparse_mla as jsm
 from jax_sparse_mla import calibration, calibration_store, planner
 
@@ -181,6 +180,8 @@ def test_cuda_plans_respect_the_kernel_contract(cache_dir):
     from jax_sparse_mla import kernel_tables
 
     for key, fmt in jsm.FORMATS.items():
+        if not kernel_tables.has_cuda_kernels(key):
+            continue
         for t in (1, 3, 64, 1000):
             for h in (1, 16, 20, 64, 128):
                 for topk in (1, 63, 2048):
@@ -238,9 +239,20 @@ def test_step_timing_queues_calls_and_divides_by_all_steps(monkeypatch):
     assert median == fastest == slowest == pytest.approx(1.0 / (4 * 5))  # one tick per 20 steps
 
 
+def _load_benchmark_script(name):
+    """Imports benchmarks/<name>.py (a script directory, not a package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_step_profile_summary_reads_the_measured_call(tmp_path, capsys):
     """benchmarks/step_profile.py --summarize: the last of two identical kernel sequences is the call."""
-    module = benchmark_scripts.load("step_profile")
+    module = _load_benchmark_script("step_profile")
     header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
     setup = [("setup_fusion", "5,000")]
     call = [("attention", "10,000"), ("reduce", "1,000"), ("attention", "12,000"), ("reduce", "1,000"),
@@ -263,7 +275,7 @@ def test_bench_baseline_in_chunks_matches_the_whole_baseline():
     batch does not fit in device memory) gives every token the whole-batch baseline's result."""
     import numpy as np
 
-    bench = benchmark_scripts.load("bench")
+    bench = _load_benchmark_script("bench")
     rng = np.random.default_rng(3)
     fmt = jsm.get_format("dsv3_2")
     kv = jnp.asarray(rng.standard_normal((4 * 16, fmt.d_qk)), jnp.float32)

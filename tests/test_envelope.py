@@ -23,7 +23,7 @@ def _struct(shape, dtype):
 
 
 def _call(key, *, num_heads=4, topk=8, page_size=64, impl="auto", batch_invariant=False, dual_cache=False,
-          extra_topk=4, precision="bf16", backend=None):
+          extra_topk=4, precision="bf16", extra_format=None, backend=None):
     """sparse_mla under eval_shape (validation and planning, nothing runs) with a cache quantize_kv builds;
     ``backend="gpu"`` makes the call see a GPU backend."""
     fmt = jsm.FORMATS[key]
@@ -32,14 +32,16 @@ def _call(key, *, num_heads=4, topk=8, page_size=64, impl="auto", batch_invarian
     indices = _struct((T, topk), jnp.int32)
     extra = {}
     if dual_cache:
-        extra = dict(extra_kv_cache=jax.eval_shape(functools.partial(jsm.quantize_kv, kv_format=fmt, page_size=2),
-                                                   _struct((4, fmt.d_qk), jnp.float32)),
+        extra_fmt = jsm.FORMATS[extra_format or key]
+        extra = dict(extra_kv_cache=jax.eval_shape(functools.partial(jsm.quantize_kv, kv_format=extra_fmt, page_size=2),
+                                                   _struct((4, extra_fmt.d_qk), jnp.float32)),
                      extra_indices=_struct((T, extra_topk), jnp.int32))
 
     def run(q, rows, indices, extra):
         cache = jsm.quantize_kv(rows, fmt, page_size=page_size)
         return jsm.sparse_mla(q, cache, indices, kv_format=fmt, sm_scale=0.1, impl=impl,
-                              batch_invariant=batch_invariant, precision=precision, **extra)
+                              batch_invariant=batch_invariant, precision=precision, extra_kv_format=extra_format,
+                              **extra)
 
     def call():
         if backend is None:
@@ -71,7 +73,7 @@ def _walk_topk(key):
         if jsm.FORMATS[key].dual_cache:  # the extra index rows follow the same rule
             yield {"topk": k, "dual_cache": True}, _call(key, dual_cache=True, extra_topk=k)
             if k:  # plan()'s extra_topk=0 means no extra cache
-                yield {"topk": k, "dual_cache": True}, _plan(key, platform="cuda", extra_topk=k)
+                yield {"topk": k, "dual_cache": True, "platform": "cuda"}, _plan(key, platform="cuda", extra_topk=k)
 
 
 def _walk_page_size(key):
@@ -113,10 +115,34 @@ def _walk_precision_on_platform(key):
                _call(key, precision=precision, impl=impl, backend="gpu"))
 
 
+def _walk_format_on_platform(key):
+    for platform in ("cpu", "cuda"):
+        yield {"platform": platform, "impl": "auto"}, _plan(key, platform=platform)
+    yield {"platform": "cuda", "impl": "xla"}, _call(key, impl="xla", backend="gpu")
+    if not jsm.FORMATS[key].dual_cache or key in ("dsv4", "dsv4_1"):
+        yield {"platform": LOCAL, "impl": "auto"}, _call(key)
+
+
+def _walk_extra_kv_format(key):
+    for extra in sorted(jsm.FORMATS):
+        yield {"extra_kv_format": extra}, _call(key, dual_cache=True, extra_format=extra)
+
+
+def _walk_extra_format_on_platform(key):
+    for extra in validate.extra_formats(key):
+        yield {"extra_kv_format": extra, "platform": LOCAL, "impl": "auto"}, _call(key, dual_cache=True,
+                                                                                  extra_format=extra)
+        yield ({"extra_kv_format": extra, "platform": "cuda", "impl": "xla"},
+               _call(key, dual_cache=True, extra_format=extra, impl="xla", backend="gpu"))
+        if extra != key:  # the same format would go on to need the CUDA extension, which this machine may lack
+            yield ({"extra_kv_format": extra, "platform": "cuda", "impl": "auto"},
+                   _call(key, dual_cache=True, extra_format=extra, backend="gpu"))
+
+
 def _walk_dual_cache(key):
     for dual in (False, True):
         yield {"dual_cache": dual}, _call(key, dual_cache=dual)
-        yield {"dual_cache": dual}, _plan(key, platform="cuda", extra_topk=4 if dual else 0)
+        yield {"dual_cache": dual, "platform": "cpu"}, _plan(key, platform="cpu", extra_topk=4 if dual else 0)
 
 
 def _walk_batch_invariant(key):
@@ -136,7 +162,10 @@ WALKS = {
     "impl_on_platform": _walk_impl_on_platform,
     "precision": _walk_precision,
     "precision_on_platform": _walk_precision_on_platform,
+    "format_on_platform": _walk_format_on_platform,
     "dual_cache": _walk_dual_cache,
+    "extra_kv_format": _walk_extra_kv_format,
+    "extra_format_on_platform": _walk_extra_format_on_platform,
     "batch_invariant": _walk_batch_invariant,
 }
 
@@ -163,11 +192,22 @@ def test_check_supported_agrees_with_the_call(rule, key):
         assert supported == runs, (f"check_supported({key!r}, **{config}) {'passes' if supported else 'fails'} but "
                                    f"the call {'runs' if runs else 'is rejected'}")
         outcomes.add(supported)
-    fmt = jsm.FORMATS[key]
-    # Rules that every value passes for some formats: a dual cache where the format has one, page sizes
-    # where every page is 16-byte aligned.
-    always = (rule == "dual_cache" and fmt.dual_cache) or (rule == "page_size" and _page_multiple(fmt) == 1)
-    assert outcomes == ({True} if always else {True, False}), f"the walk of {rule} for {key}: {outcomes}"
+    assert outcomes == _expected_outcomes(rule, jsm.FORMATS[key]), f"the walk of {rule} for {key}: {outcomes}"
+
+
+def _expected_outcomes(rule, fmt) -> set:
+    """Which answers a rule's walk gives for a format: both sides of the boundary, except where a format
+    is on one side of it for every value walked."""
+    mixed_extra = any(extra != fmt.key for extra in validate.extra_formats(fmt.key))
+    one_sided = {
+        "dual_cache": {True} if fmt.dual_cache else {True, False},
+        "page_size": {True} if _page_multiple(fmt) == 1 else {True, False},
+        "format_on_platform": {True} if jsm.supported_configs()[fmt.key]["platforms"]["cuda"]["variants"]
+        else {True, False},
+        "extra_kv_format": {True, False} if fmt.dual_cache else {False},
+        "extra_format_on_platform": {True, False} if mixed_extra else ({True} if fmt.dual_cache else set()),
+    }
+    return one_sided.get(rule, {True, False})
 
 
 def _page_multiple(fmt) -> int:

@@ -42,6 +42,7 @@ JSMLA_VECTOR_CLONES void scaled_add(float* acc, float weight, const float* v, in
 
 struct Candidate {
   const CacheView* cache;
+  const FormatTraits* format;
   int64_t slot;
 };
 
@@ -50,7 +51,7 @@ void collect_candidates(const CandidateList& list, int64_t t, std::vector<Candid
   const int32_t length = list.row_length(t);
   for (int32_t j = 0; j < length; ++j) {
     const int64_t slot = list.slot(t, j);
-    if (slot >= 0) out.push_back({&list.cache, slot});
+    if (slot >= 0) out.push_back({&list.cache, &format_traits(list.format), slot});
   }
 }
 
@@ -82,7 +83,8 @@ void attend(const FormatTraits& f, const AttentionParams& p, int64_t t, int h0, 
   const int heads = h1 - h0;
   s.keys.resize(static_cast<size_t>(n) * d_qk);
   for (int64_t j = 0; j < n; ++j) {
-    dequantize_row(f, *s.candidates[j].cache, s.candidates[j].slot, s.keys.data() + j * d_qk);
+    const Candidate& c = s.candidates[j];
+    dequantize_row(*c.format, *c.cache, c.slot, s.keys.data() + j * d_qk);
   }
   s.queries.resize(static_cast<size_t>(heads) * d_qk);
   for (int h = 0; h < heads; ++h) {
@@ -138,17 +140,17 @@ void attend(const FormatTraits& f, const AttentionParams& p, int64_t t, int h0, 
 
 void dequantize_row(const FormatTraits& f, const CacheView& cache, int64_t slot, float* out) {
   const uint8_t* row = cache.data_row(slot);
-  if (f.fp8_dim > 0) {
+  if (f.quant_dim > 0) {
     const uint8_t* scales = cache.scales(f, slot);
     for (int g = 0; g < f.num_groups; ++g) {
       const float scale = group_scale(f, scales, g);
       for (int i = g * f.group_size; i < (g + 1) * f.group_size; ++i) {
-        out[i] = fp8_e4m3_to_float(row[i]) * scale;
+        out[i] = quantized_lane(f, row, i) * scale;
       }
     }
   }
   const uint8_t* bf16 = row + f.bf16_offset;
-  for (int i = 0; i < f.bf16_dim; ++i) out[f.fp8_dim + i] = bf16_to_float(load_u16_le(bf16 + 2 * i));
+  for (int i = 0; i < f.bf16_dim; ++i) out[f.quant_dim + i] = bf16_to_float(load_u16_le(bf16 + 2 * i));
 }
 
 void sparse_mla_cpu(const FormatTraits& f, const AttentionParams& p, int num_threads) {

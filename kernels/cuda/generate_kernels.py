@@ -24,7 +24,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-#: format key -> (C++ FormatId enumerator, {family: head tiles}). The portable family needs a small
+#: format key -> (C++ FormatId enumerator, {family: head tiles}), every format (an empty dict: no CUDA
+#: kernel yet). The portable family needs a small
 #: tile (H <= 16, ragged head counts) and a large one (one dequantized KV tile for the most heads:
 #: 64, or 32 for the 1088-wide dots3_swa rows); the Hopper family serves 64-head tiles of the
 #: formats its producer handles (hopper/config.h: hopper_format).
@@ -37,6 +38,9 @@ INSTANCES = {
     "dots3_swa": ("kDots3Swa", {"portable": (16, 32)}),
     "bf16_576": ("kBf16_576", {"portable": (16, 64), "hopper": (64,)}),
     "bf16_512": ("kBf16_512", {"portable": (16, 64), "hopper": (64,)}),
+    # FP4 caches: no CUDA loader yet (the CPU kernel and impl="xla" serve them).
+    "dsv4_nvfp4": ("kDsv4Nvfp4", {}),
+    "dsv4_1_fp4": ("kDsv41Fp4", {}),
 }
 
 #: Per family: the X-macro name, the kernel header, the namespace and the config template of one instance.

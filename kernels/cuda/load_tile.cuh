@@ -86,7 +86,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
           continue;
         }
       }
-      store(kF.fp8_dim + 8 * (unit - kFp8Units),
+      store(kF.quant_dim + 8 * (unit - kFp8Units),
             valid ? *reinterpret_cast<const uint4*>(staged_row + 16 * unit) : make_uint4(0, 0, 0, 0));
     }
   }
@@ -109,7 +109,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
           store(16 * unit, make_uint4(0, 0, 0, 0));
           store(16 * unit + 8, make_uint4(0, 0, 0, 0));
         } else {
-          store(kF.fp8_dim + 8 * (unit - kFp8Units), make_uint4(0, 0, 0, 0));
+          store(kF.quant_dim + 8 * (unit - kFp8Units), make_uint4(0, 0, 0, 0));
         }
       }
       return;
@@ -173,7 +173,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
         if (i < kFp8PerThread) {
           dequantize_fp8_unit<kBitPath>(staged[j], unit_scale(scale_slot, unit), unit, store);
         } else {
-          store(kF.fp8_dim + 8 * (unit - kFp8Units), staged[j]);
+          store(kF.quant_dim + 8 * (unit - kFp8Units), staged[j]);
         }
       }
     }

@@ -28,7 +28,7 @@ struct LoaderGeometry {
   static constexpr int kCandidateTile = kCandidateTileValue;
   static constexpr int kThreads = kThreadsValue;
   static constexpr int kThreadsPerRow = kThreads / kCandidateTile;
-  static constexpr int kFp8Units = kF.fp8_dim / 16;
+  static constexpr int kFp8Units = kF.quant_dim / 16;
   static constexpr int kBf16Units = kF.bf16_dim * 2 / 16;
   static constexpr int kUnits = kFp8Units + kBf16Units;
   static constexpr int kUnitsPerThread = (kUnits + kThreadsPerRow - 1) / kThreadsPerRow;
@@ -44,8 +44,9 @@ struct LoaderGeometry {
   // rows one ldmatrix phase reads fall into 8 different 16-byte bank groups.
   static constexpr int kTilePitch = kF.d_qk + 8;
 
+  static_assert(kF.quant_bits != 4, "FP4 caches have no CUDA loader (the units below are 16 FP8 values)");
   static_assert(kThreads % kCandidateTile == 0, "every tile row needs the same number of loader threads");
-  static_assert(kF.fp8_dim % 16 == 0 && (2 * kF.bf16_dim) % 16 == 0, "payload must split into 16-byte units");
+  static_assert(kF.quant_dim % 16 == 0 && (2 * kF.bf16_dim) % 16 == 0, "payload must split into 16-byte units");
   static_assert(kF.bf16_offset % 16 == 0, "the BF16 lanes of a row must be 16-byte aligned for cp.async");
   static_assert(kF.layout != Layout::kInline || kF.scale_offset % 16 == 0, "inline scales must be 16-byte aligned");
   static_assert(kF.group_size == 0 || kF.group_size % 16 == 0, "a 16-value unit must lie inside one scale group");

@@ -23,11 +23,11 @@ namespace jsmla::cuda::hopper {
 // Shared memory per block on sm_90 (opt-in maximum).
 inline constexpr int kMaxSharedBytes = 227 * 1024;
 
-// Formats the family serves: 512/576-wide rows with power-of-two or no scales (arbitrary FP32
-// scales and the 1088-wide rows stay on the portable family).
+// Formats the family serves: 512/576-wide FP8 or BF16 rows with power-of-two or no scales (arbitrary
+// FP32 scales and the 1088-wide rows stay on the portable family; FP4 caches have no CUDA loader).
 constexpr bool hopper_format(FormatId id) {
   const FormatTraits f = format_traits(id);
-  return (f.d_qk == 512 || f.d_qk == 576) && f.d_v == 512 &&
+  return (f.d_qk == 512 || f.d_qk == 576) && f.d_v == 512 && f.quant_bits != 4 &&
          !(f.scale_kind == ScaleKind::kFp32 && !f.pow2_scales);
 }
 

@@ -62,7 +62,7 @@ def call(device, variant, hpb, splits, split_size, workspace, q, cache, idx, tl,
     t, h = q.shape[0], q.shape[1]
     results = (jax.ShapeDtypeStruct((t, h, d_v), jnp.bfloat16), jax.ShapeDtypeStruct((t, h), jnp.float32),
                jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    attrs = dict(kv_format=np.int32(fmt_id), sm_scale=np.float32(sm_scale),
+    attrs = dict(kv_format=np.int32(fmt_id), extra_kv_format=np.int32(fmt_id), sm_scale=np.float32(sm_scale),
                  page_size=np.int64(geometry[0]), num_pages=np.int64(geometry[1]),
                  page_stride=np.int64(geometry[2]), row_stride=np.int64(geometry[3]),
                  extra_page_size=np.int64(xgeometry[0]), extra_num_pages=np.int64(xgeometry[1]),

@@ -105,7 +105,7 @@ HostCache build_cache(const FormatTraits& f, int64_t num_pages, int64_t page_siz
       for (int64_t slot = w; slot < slots; slot += threads) {
         for (auto& v : x) v = normal(rng);
         uint8_t* row = const_cast<uint8_t*>(c.view.data_row(slot));
-        if (f.fp8_dim > 0) {
+        if (f.quant_dim > 0) {
           uint8_t* scales = const_cast<uint8_t*>(c.view.scales(f, slot));
           if (f.layout == Layout::kFooter) std::memset(scales, 0, f.scale_row_bytes);
           for (int g = 0; g < f.num_groups; ++g) {
@@ -124,7 +124,7 @@ HostCache build_cache(const FormatTraits& f, int64_t num_pages, int64_t page_siz
         }
         uint8_t* bf16 = row + f.bf16_offset;
         for (int i = 0; i < f.bf16_dim; ++i) {
-          const uint16_t b = float_to_bf16(x[f.fp8_dim + i]);
+          const uint16_t b = float_to_bf16(x[f.quant_dim + i]);
           bf16[2 * i] = static_cast<uint8_t>(b & 0xff);
           bf16[2 * i + 1] = static_cast<uint8_t>(b >> 8);
         }
