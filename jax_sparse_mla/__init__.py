@@ -12,6 +12,9 @@ Public API:
   cuda_available                              whether the CUDA kernels are built
 """
 
+# Before the imports: the extension loader (_ffi) checks an installed build against it.
+__version__ = "0.1.0"
+
 from ._ffi import cuda_available
 from .api import merge_attention_states, sparse_mla
 from .export import disabled_checks
@@ -19,8 +22,6 @@ from .formats import FORMATS, KVFormat, dequantize_kv, get_format, quantize_kv, 
 from .planner import DeviceInfo, Plan, plan
 from .sharding import SparseMLASpecs, sharded_sparse_mla, sparse_mla_specs
 from .validate import check_supported, supported_configs
-
-__version__ = "0.1.0"
 
 __all__ = [
     "sparse_mla",

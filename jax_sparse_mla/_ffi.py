@@ -1,20 +1,95 @@
 """Loading the extensions, registering the FFI targets, and the ``ffi_call`` plumbing.
 
 The CPU extension is always built. The CUDA extension is optional: when it is missing,
-:func:`cuda_import_error` says why, and ``sparse_mla`` raises a clear error on a CUDA backend.
+:func:`cuda_import_error` says why (not built, or built but unable to load), and ``sparse_mla``
+raises a clear error on a CUDA backend.
+
+The extensions are found beside this file (an installed package, an editable install's import hook,
+an in-place build) or, when the package is imported from its source tree, in the installed
+distribution of the same version: Python puts the working directory first on ``sys.path``, so
+``python -m jax_sparse_mla`` run from the clone's root imports the sources, which hold no compiled
+files, while ``pip install .`` put them in site-packages.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
+import importlib.metadata
 import importlib.util
+import pathlib
+import sys
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _cpu_ext
+from . import __version__
 from .formats import CacheLayout
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+
+
+def _source_tree_hint() -> str:
+    root = _PACKAGE_DIR.parent
+    if (root / "pyproject.toml").is_file():
+        return (f"{_PACKAGE_DIR} is the source tree; run `pip install .` in {root} (or import "
+                f"{__package__} from another directory)")
+    return f"reinstall {__package__} (pip install --force-reinstall {__package__})"
+
+
+def _installed_extension(name: str) -> Optional[pathlib.Path]:
+    """The compiled module ``name`` in the installed distribution, when this package is another copy of it
+    (its source tree); None when there is no such file."""
+    try:
+        dist = importlib.metadata.distribution(__package__)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    installed = pathlib.Path(dist.locate_file(__package__)).resolve()
+    if installed == _PACKAGE_DIR:
+        return None  # this is the installed package, and it was built without that module
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = installed / f"{name}{suffix}"
+        if path.is_file():
+            # The compiled tables must describe the kernels these sources plan for.
+            if dist.version != __version__:
+                raise ImportError(f"{__package__}: the sources in {_PACKAGE_DIR} are version {__version__} but the "
+                                  f"installed build in {installed} is version {dist.version}; "
+                                  + _source_tree_hint())
+            return path
+    return None
+
+
+# Sources without compiled files beside them (see the module docstring) take every extension from the
+# installed distribution; otherwise none comes from there, so one build never mixes with another.
+_FROM_INSTALLED = importlib.util.find_spec(f"{__package__}._cpu_ext") is None
+
+
+def _import_extension(name: str):
+    """The compiled module ``name`` (see the module docstring), or None when it was not built."""
+    full_name = f"{__package__}.{name}"
+    if not _FROM_INSTALLED:
+        return importlib.import_module(full_name) if importlib.util.find_spec(full_name) is not None else None
+    path = _installed_extension(name)
+    if path is None:
+        return None
+    spec = importlib.util.spec_from_file_location(full_name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Registered like any submodule, so `from . import _cpu_ext` elsewhere in the package finds it.
+    sys.modules[full_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[full_name]
+        raise
+    setattr(sys.modules[__package__], name, module)
+    return module
+
+
+_cpu_ext = _import_extension("_cpu_ext")
+if _cpu_ext is None:
+    raise ImportError(f"{__package__}: its compiled CPU extension (_cpu_ext) is not installed: " + _source_tree_hint())
 
 #: The versioned FFI targets (``ffi/target_name.h``; a changed attribute contract gets a new name): the
 #: forward, and the backward (CPU only, for now).
@@ -24,19 +99,21 @@ BACKWARD_TARGET = _cpu_ext.BACKWARD_TARGET
 for _name, _capsule in _cpu_ext.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
+#: Why the CUDA kernels cannot run, when they cannot: not built, or built but failing to load.
 _CUDA_IMPORT_ERROR: Optional[ImportError] = None
-if importlib.util.find_spec(f"{__package__}._cuda_ext") is None:
+_CUDA_BUILT = True
+try:
+    _cuda_ext = _import_extension("_cuda_ext")
+except ImportError as _error:  # the extension exists but cannot load (e.g. a missing CUDA library)
     _cuda_ext = None
-    _CUDA_IMPORT_ERROR = ImportError("jax_sparse_mla was built without its CUDA extension "
-                                     "(rebuild with JSMLA_CUDA=ON where nvcc is available)")
+    _CUDA_IMPORT_ERROR = _error
 else:
-    try:
-        from . import _cuda_ext  # noqa: F401
-    except ImportError as _error:  # the extension exists but cannot load (e.g. no CUDA driver)
-        _cuda_ext = None
-        _CUDA_IMPORT_ERROR = _error
+    if _cuda_ext is None:
+        _CUDA_BUILT = False
+        _CUDA_IMPORT_ERROR = ImportError(
+            f"this installation of {__package__} was built without its CUDA extension (reinstall with "
+            f"JSMLA_CUDA=ON where nvcc is available, or install a wheel built with the CUDA kernels)")
 if _cuda_ext is not None:
-    _CUDA_IMPORT_ERROR = None
     for _name, _capsule in _cuda_ext.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
@@ -44,6 +121,11 @@ if _cuda_ext is not None:
 def cuda_available() -> bool:
     """True when the CUDA extension is built and its handlers are registered."""
     return _cuda_ext is not None
+
+
+def cuda_built() -> bool:
+    """True when the installation carries the CUDA extension, whether or not it loaded."""
+    return _CUDA_BUILT
 
 
 def cuda_import_error() -> Optional[ImportError]:

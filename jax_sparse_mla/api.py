@@ -8,7 +8,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from . import _ffi, backward, kernel_tables, planner, validate
+from . import _ffi, backward, planner, validate
 from .formats import KVFormat, quantize_query_fp8
 from .reference import sparse_mla_reference
 
@@ -31,6 +31,10 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
     read. The softmax is joint over the main and (for the dual-cache formats) the extra cache. The
     semantics, edge cases and accuracy contract are in docs/semantics.md.
 
+    Array arguments are JAX arrays, NumPy arrays (their dtype is checked as given) or, under tracing,
+    tracers; ``indices``, ``topk_length``, ``attn_sink``, the extra index arguments and ``valid_tokens``
+    also take Python numbers and nested lists, which become arrays of the documented dtype.
+
     Args:
       q: bfloat16 ``[T, H, d_qk]`` or ``[B, S, H, d_qk]``; 1 <= H <= 128.
       kv_cache: a cache of ``kv_format`` in any accepted shape (docs/formats.md, cache shapes):
@@ -47,9 +51,6 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       extra_indices: int32 ``[T, extra_topk]`` (same forms as ``indices``): slots of the extra cache.
       extra_topk_length: int32 ``[T]``/``[B, S]``: like ``topk_length``, for ``extra_indices``.
       extra_page_size: the extra cache's page size, for its 2-D form.
-      extra_kv_format: the extra cache's format (default: ``kv_format``); the allowed pairs are each
-        dual-cache format with itself, ``("dsv4", "dsv4_nvfp4")`` and ``("dsv4_1", "dsv4_1_fp4")``
-        (``supported_configs()[key]["extra_formats"]``).
       valid_tokens: int32 scalar or ``[1]``: rows ``t >= valid_tokens`` (of the flattened rows) are padding:
         ``out = 0``, ``lse = -inf``, skipped on the device.
       impl: ``"auto"`` (planner), ``"decode"``/``"prefill"`` (force a CUDA variant) or ``"xla"`` (pure JAX).
@@ -59,12 +60,15 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
         quantized to FP8 per group of 64 lanes (:func:`jax_sparse_mla.quantize_query_fp8`), with its own
         accuracy bound (docs/semantics.md). ``"fp8"`` runs on the CPU kernel and ``impl="xla"``; on a
         GPU backend without an FP8 kernel it raises ``ValueError`` (never a silent 16-bit fallback).
+      extra_kv_format: the extra cache's format (default: ``kv_format``); the allowed pairs are each
+        dual-cache format with itself, ``("dsv4", "dsv4_nvfp4")`` and ``("dsv4_1", "dsv4_1_fp4")``
+        (``supported_configs()[key]["extra_formats"]``).
 
     Returns:
       ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
 
     Raises:
-      TypeError: wrong dtypes (docs/errors.md).
+      TypeError: wrong dtypes, or a Python value where an array is needed (docs/errors.md).
       ValueError: anything else that shapes reveal (docs/errors.md).
       NotImplementedError: differentiated with respect to a quantized cache (only ``bf16_*`` caches have
         a gradient) or, with ``precision="fp8"``, ``q``; on CUDA with an FFI ``impl`` (no CUDA backward
@@ -76,6 +80,10 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
     Under ``jax.vmap`` the batch folds into rows (caches must not be batched). Calling this on arrays
     sharded across devices outside ``shard_map`` makes XLA gather the operands; shard per device instead.
     """
+    (q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length,
+     valid_tokens) = (validate.as_operand(name, value) for name, value in zip(_OPERANDS, (
+         q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length,
+         valid_tokens)))
     problem = validate.normalize(
         q, kv_cache, indices, kv_format=kv_format, sm_scale=sm_scale, page_size=page_size,
         topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
@@ -181,13 +189,16 @@ def _batching_rule_op(problem):
 
 
 def _missing_cuda_kernel(problem) -> Optional[str]:
-    """Why no CUDA kernel can run the call (None when one can)."""
-    if problem.precision == "fp8":
-        return "precision: 'fp8' has no CUDA kernel yet (FP8 tensor-core compute)"
-    if not kernel_tables.has_cuda_kernels(problem.fmt.key):
-        return f"kv_format: {problem.fmt.key!r} has no CUDA kernel yet"
-    if problem.extra_fmt is not None and problem.extra_fmt != problem.fmt:
-        return (f"extra_kv_format: an extra cache in {problem.extra_fmt.key!r} beside a {problem.fmt.key!r} main cache "
+    """Why no CUDA kernel can run the call (None when one can): the rules of validate.RULES that a CUDA
+    platform adds (the call is not impl='xla' here)."""
+    fmt, rule, impl = problem.fmt, validate.RULE, problem.impl
+    if not rule["precision_on_platform"].accepts(fmt, problem.precision, impl, "cuda"):
+        return f"precision: {problem.precision!r} has no CUDA kernel yet (FP8 tensor-core compute)"
+    if not rule["format_on_platform"].accepts(fmt, "cuda", impl):
+        return f"kv_format: {fmt.key!r} has no CUDA kernel yet"
+    if problem.extra_fmt is not None and not rule["extra_format_on_platform"].accepts(fmt, problem.extra_fmt.key,
+                                                                                      "cuda", impl):
+        return (f"extra_kv_format: an extra cache in {problem.extra_fmt.key!r} beside a {fmt.key!r} main cache "
                 f"has no CUDA kernel yet")
     return None
 
@@ -222,21 +233,31 @@ def _lower(problem, arrays):
         return lambda *ops: _ffi.call(plan, problem, *ops)
 
     if problem.impl in ("decode", "prefill"):
-        if not _ffi.cuda_available():
-            raise ValueError(f"impl: {problem.impl!r} needs the CUDA extension, which is not available "
-                             f"({_ffi.cuda_import_error()}); use impl='auto' or 'xla'")
+        # The backend first: without a GPU no build of the extension helps.
         if jax.default_backend() != "gpu":
-            raise ValueError(f"impl: {problem.impl!r} selects a CUDA kernel, but the default backend is "
-                             f"{jax.default_backend()!r}; use impl='auto' or 'xla'")
+            raise ValueError(f"impl: {problem.impl!r} selects a CUDA kernel, but JAX's default backend is "
+                             f"{jax.default_backend()!r} (JAX sees no GPU: no NVIDIA GPU or driver, or no JAX "
+                             f"CUDA plugin); use impl='auto' or 'xla'")
+        if not _ffi.cuda_available():
+            raise ValueError(f"impl: {problem.impl!r} needs the CUDA extension: {_cuda_unavailable()}; or use "
+                             f"impl='xla'")
         return lower_for("cuda")(*operands)
     if jax.default_backend() == "gpu" and not _ffi.cuda_available():
-        raise ValueError("impl: 'auto' on a GPU backend needs the CUDA extension, which is not available "
-                         f"({_ffi.cuda_import_error()}); rebuild with JSMLA_CUDA=ON or pass impl='xla'")
+        raise ValueError(f"impl: 'auto' on a GPU backend needs the CUDA extension: {_cuda_unavailable()}; or "
+                         f"pass impl='xla'")
     if missing_cuda is not None:  # the CPU only (see above)
         return lower_for("cpu")(*operands)
     # Both platforms are planned; only the branch of the platform being lowered for is emitted, so a
     # program exported for CUDA from a CPU host carries the CUDA plan.
     return jax.lax.platform_dependent(*operands, cpu=lower_for("cpu"), cuda=lower_for("cuda"))
+
+
+def _cuda_unavailable() -> str:
+    """Why the CUDA extension is missing, with what fixes it: a build without it, or one that cannot load."""
+    if not _ffi.cuda_built():
+        return str(_ffi.cuda_import_error())
+    return (f"it is installed but failed to load ({_ffi.cuda_import_error()}); check the NVIDIA driver and the "
+            f"CUDA libraries of the JAX CUDA plugin")
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
@@ -254,9 +275,12 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
       ``out = 0``, ``lse = +inf``.
 
     Raises:
-      TypeError: ``lse_a`` or ``lse_b`` not float32.
+      TypeError: an argument that is not an array, or ``lse_a``/``lse_b`` not float32.
       ValueError: shapes that do not match.
     """
+    for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
     for name, x in (("lse_a", lse_a), ("lse_b", lse_b)):
         if x.dtype != jnp.float32:
             raise TypeError(f"{name}: expected float32 [..., H], got {x.dtype} {list(x.shape)}")

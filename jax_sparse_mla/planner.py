@@ -19,10 +19,12 @@ import dataclasses
 import functools
 from typing import Optional, Union
 
+import numpy as np
+
 from . import _ffi, calibration_store, kernel_tables
 from .formats import KVFormat, get_format
 from .kernel_tables import VARIANT_IDS
-from .validate import ENVELOPE, IMPLS
+from .validate import RULE
 
 __all__ = ["DeviceInfo", "DEFAULT_CUDA_DEVICE", "CostModel", "Plan", "plan", "clear_cache", "device_info",
            "VARIANT_IDS"]
@@ -161,7 +163,7 @@ class Plan:
         return (self.workspace_bytes,)
 
     def attrs(self) -> dict:
-        """Plan attributes of the FFI call (the ``_v1`` attribute contract)."""
+        """Plan attributes of the FFI call (the attribute contract of the ``jax_sparse_mla_fwd_v2`` target)."""
         return {
             "variant": VARIANT_IDS[self.variant],
             "num_splits": self.num_splits,
@@ -236,17 +238,12 @@ def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: Devi
 
 def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: DeviceInfo, batch_invariant,
                impl, model: CostModel, calibrated: bool) -> Plan:
-    if not kernel_tables.has_cuda_kernels(fmt.key):
-        raise ValueError(f"kv_format: {fmt.key!r} has no CUDA kernel yet; plan for platform='cpu' or use impl='xla'")
     candidates = topk + extra_topk
     common = dict(platform="cuda", kv_format=fmt.key, num_tokens=num_tokens,
                   num_heads=num_heads, topk=topk, extra_topk=extra_topk, batch_invariant=batch_invariant,
                   device_name=device.name)
     source = "calibrated" if calibrated else "default"
     if batch_invariant:
-        if impl == "prefill":
-            raise ValueError("impl: 'prefill' cannot honour batch_invariant=True (its reduction order is the "
-                             "whole candidate list); use impl='auto' or 'decode'")
         tiles = kernel_tables.HEAD_TILES[fmt.key]
         heads_per_block = next((t for t in tiles if t >= num_heads), tiles[-1])
         split_size = _round_up(BATCH_INVARIANT_SPLIT_SIZE, kernel_tables.SPLIT_GRANULE)
@@ -288,18 +285,38 @@ def _plan_cached(q_shape, fmt_key, topk, extra_topk, platform, device, batch_inv
     for d in q_shape[:-2]:
         num_tokens *= d
     if platform == "cpu":
-        if impl in ("decode", "prefill"):
-            raise ValueError(f"impl: {impl!r} selects a CUDA kernel; on the CPU use impl='auto' or 'xla'")
         return Plan(platform="cpu", family="cpu_reference", variant="reference", kv_format=fmt.key,
                     num_tokens=num_tokens, num_heads=num_heads, topk=topk, extra_topk=extra_topk,
                     heads_per_block=num_heads, num_splits=1, split_size=topk + extra_topk, workspace_bytes=0,
                     batch_invariant=batch_invariant, device_name=device.name,
                     reason="the CPU runs the C++ reference kernel (one pass, no workspace; batch invariant)")
-    if platform == "cuda":
-        model = CostModel.from_dict(dict(constants) if constants is not None else None)
-        return _plan_cuda(fmt, num_tokens, num_heads, topk, extra_topk, device, batch_invariant, impl, model,
-                          constants is not None)
-    raise ValueError(f"platform: expected one of {sorted(ENVELOPE['platforms'])}, got {platform!r}")
+    model = CostModel.from_dict(dict(constants) if constants is not None else None)
+    return _plan_cuda(fmt, num_tokens, num_heads, topk, extra_topk, device, batch_invariant, impl, model,
+                      constants is not None)
+
+
+def _check_plan_arguments(fmt: KVFormat, q_shape, topk, extra_topk, platform, impl, batch_invariant) -> None:
+    """plan()'s arguments against the format and the envelope's rules (validate.RULES)."""
+    shape = tuple(q_shape)
+    if (len(shape) not in (3, 4) or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0
+                                        for d in shape) or shape[-1] != fmt.d_qk):
+        raise ValueError(f"q_shape: expected (T, H, {fmt.d_qk}) or (B, S, H, {fmt.d_qk}) for format {fmt.key}, "
+                         f"got {q_shape!r}")
+    if impl == "xla":
+        raise ValueError("impl: expected 'auto', 'decode' or 'prefill' for planning, got 'xla' (it never plans)")
+    # (argument named in the error, rule, the values it reads)
+    checks = [("q_shape", "num_heads", dict(num_heads=int(shape[-2]))), ("topk", "topk", dict(topk=topk)),
+              ("platform", "platform", dict(platform=platform)), ("impl", "impl", dict(impl=impl)),
+              ("impl", "impl_on_platform", dict(impl=impl, platform=platform)),
+              ("batch_invariant", "batch_invariant", dict(batch_invariant=batch_invariant, impl=impl))]
+    if extra_topk != 0:
+        checks += [("extra_topk", "topk", dict(topk=extra_topk)), ("extra_topk", "dual_cache", dict(dual_cache=True))]
+    for argument, name, given in checks:
+        problem = RULE[name].violation(fmt, given)
+        if problem is not None:
+            raise ValueError(f"{argument}: unsupported for format {fmt.key}: {problem}")
+    if RULE["format_on_platform"].violation(fmt, dict(platform=platform, impl=impl)) is not None:
+        raise ValueError(f"kv_format: {fmt.key!r} has no CUDA kernel yet; plan for platform='cpu' or use impl='xla'")
 
 
 def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int = 0, platform: str,
@@ -308,8 +325,10 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
     """Plans one ``sparse_mla`` call.
 
     Args:
-      q_shape: ``(T, H, d_qk)`` or ``(B, S, H, d_qk)``.
-      kv_format: format key or object. topk / extra_topk: index row widths.
+      q_shape: the query's shape, ``(T, H, d_qk)`` or ``(B, S, H, d_qk)``, with the format's ``d_qk``.
+      kv_format: format key or :class:`~jax_sparse_mla.KVFormat`.
+      topk: width of the index rows (candidates per query row).
+      extra_topk: width of the extra cache's index rows (``dsv4``/``dsv4_1``); 0 without an extra cache.
       platform: ``"cpu"`` or ``"cuda"``.
       device: the device description; ``None`` uses the local device of that platform or
         :data:`DEFAULT_CUDA_DEVICE`.
@@ -317,12 +336,17 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
       impl: ``"auto"``, ``"decode"`` or ``"prefill"`` (``"xla"`` never reaches the planner).
       cost_model: constants to plan with; ``None`` uses the device's calibration (if any) over the
         model defaults.
+
     Returns:
       A memoised :class:`Plan`.
+
+    Raises:
+      ValueError: an unknown format or platform, a ``q_shape`` the format does not have, a head count,
+        ``topk`` or ``extra_topk`` outside the envelope, or an ``impl`` (with ``batch_invariant``) the
+        platform cannot run (the rules of :func:`~jax_sparse_mla.check_supported`).
     """
     fmt = get_format(kv_format)
-    if impl not in IMPLS or impl == "xla":
-        raise ValueError(f"impl: expected 'auto', 'decode' or 'prefill' for planning, got {impl!r}")
+    _check_plan_arguments(fmt, q_shape, topk, extra_topk, platform, impl, batch_invariant)
     if device is None:
         device = device_info(platform)
     if cost_model is not None:

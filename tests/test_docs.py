@@ -66,3 +66,62 @@ def test_license_is_the_apache_license():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+def _documented_arguments(doc: str):
+    """The names of the entries of a Google-style ``Args:`` section (None without one)."""
+    lines = doc.splitlines()
+    if "Args:" not in [line.strip() for line in lines]:
+        return None
+    start = [line.strip() for line in lines].index("Args:") + 1
+    indent = None
+    names = []
+    for line in lines[start:]:
+        if not line.strip():
+            continue
+        width = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = width
+        if width < indent:
+            break  # the next section
+        if width == indent:
+            match = re.match(r"\s*(\*{0,2}\w+)( \(.*\))?: ", line)
+            assert match, f"an Args entry that does not start with one argument name: {line.strip()!r}"
+            names.append(match.group(1).lstrip("*"))
+    return names
+
+
+@pytest.mark.parametrize("name", [n for n in jsm.__all__ if inspect.isfunction(getattr(jsm, n))])
+def test_args_sections_have_one_entry_per_parameter(name):
+    function = getattr(jsm, name)
+    names = _documented_arguments(_own_docstring(function))
+    if names is None:
+        pytest.skip(f"{name} has no Args section")
+    parameters = [p for p in inspect.signature(function).parameters]
+    assert names == parameters, f"jax_sparse_mla.{name}: Args entries {names} != parameters {parameters}"
+
+
+def test_the_ffi_target_version_is_named_consistently():
+    """Text that names the FFI target's version names the one that is registered (the changelog, which
+    records earlier versions, aside)."""
+    from jax_sparse_mla import _ffi
+
+    version = re.fullmatch(r"jax_sparse_mla_fwd_(v\d+)", _ffi.TARGET).group(1)
+    package = ROOT / "jax_sparse_mla"
+    texts = [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted(package.glob("*.py"))]
+    texts += [(where, text) for where, text in _user_facing_texts() if where != "CHANGELOG.md"]
+    pattern = re.compile(r"jax_sparse_mla_fwd_(v\d+)|`_?(v\d+)` attribute contract|_(v\d+)`` attribute contract")
+    named = [(where, next(g for g in m.groups() if g)) for where, text in texts for m in pattern.finditer(text)]
+    assert named, "nothing names the FFI target"
+    assert [n for n in named if n[1] != version] == [], f"the target is {_ffi.TARGET}"
+
+
+def test_readme_example_sm_scale_is_marked_illustrative():
+    """The README example's literal sm_scale is said to be illustrative, with a pointer to the model's own."""
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(r"^## Example\n(.*?)^## ", readme, re.S | re.M).group(1)
+    blocks = re.findall(r"```python\n(.*?)```", example, re.S)
+    literal = [b for b in blocks if re.search(r"sm_scale=\d", b)]
+    assert literal
+    for block in literal:
+        assert "illustrative" in block and "examples/deepseek_v32" in block, block
