@@ -171,9 +171,9 @@ inline ffi::Error decode_attention(int32_t kv_format, int32_t extra_kv_format, f
   return ffi::Error::Success();
 }
 
-// Adds the shared operands, results and attributes to a binding (after any context arguments).
+// Adds the call's operands to a binding (after any context arguments): the forward's and the backward's.
 template <typename Binding>
-auto bind_attention(Binding binding) {
+auto bind_operands(Binding&& binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::BF16>>()  // q
       .template Arg<ffi::AnyBuffer>()                      // kv_cache
       .template Arg<ffi::Buffer<ffi::S32>>()               // indices
@@ -182,11 +182,13 @@ auto bind_attention(Binding binding) {
       .template Arg<ffi::AnyBuffer>()                      // extra_kv_cache
       .template Arg<ffi::Buffer<ffi::S32>>()               // extra_indices ([T, extra_topk])
       .template Arg<ffi::Buffer<ffi::S32>>()               // extra_topk_length ([T] or [0])
-      .template Arg<ffi::Buffer<ffi::S32>>()               // valid_tokens ([1])
-      .template Ret<ffi::Buffer<ffi::BF16>>()              // out
-      .template Ret<ffi::Buffer<ffi::F32>>()               // lse
-      .template Ret<ffi::Buffer<ffi::U8>>()                // workspace
-      .template Attr<int32_t>("kv_format")
+      .template Arg<ffi::Buffer<ffi::S32>>();              // valid_tokens ([1])
+}
+
+// Adds the formats, the softmax scale and both caches' geometry attributes (after the results).
+template <typename Binding>
+auto bind_cache_attributes(Binding&& binding) {
+  return std::move(binding).template Attr<int32_t>("kv_format")
       .template Attr<int32_t>("extra_kv_format")
       .template Attr<float>("sm_scale")
       .template Attr<int64_t>("page_size")
@@ -196,7 +198,16 @@ auto bind_attention(Binding binding) {
       .template Attr<int64_t>("extra_page_size")
       .template Attr<int64_t>("extra_num_pages")
       .template Attr<int64_t>("extra_page_stride")
-      .template Attr<int64_t>("extra_row_stride")
+      .template Attr<int64_t>("extra_row_stride");
+}
+
+// The forward target's binding: the operands, out/lse/workspace, the cache attributes and the plan.
+template <typename Binding>
+auto bind_attention(Binding&& binding) {
+  return bind_cache_attributes(bind_operands(std::forward<Binding>(binding))
+                                   .template Ret<ffi::Buffer<ffi::BF16>>()   // out
+                                   .template Ret<ffi::Buffer<ffi::F32>>()    // lse
+                                   .template Ret<ffi::Buffer<ffi::U8>>())    // workspace
       .template Attr<int32_t>("variant")
       .template Attr<int32_t>("num_splits")
       .template Attr<int32_t>("split_size")

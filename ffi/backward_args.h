@@ -88,33 +88,14 @@ inline ffi::Error decode_backward(int32_t kv_format, int32_t extra_kv_format, fl
 // The backward target's binding: the forward's operands, then lse, d_out and d_lse; the three gradients;
 // the forward's format and geometry attributes (the backward has no plan) and the gradient groups.
 template <typename Binding>
-auto bind_backward(Binding binding) {
-  return std::move(binding).template Arg<ffi::Buffer<ffi::BF16>>()  // q
-      .template Arg<ffi::AnyBuffer>()                      // kv_cache
-      .template Arg<ffi::Buffer<ffi::S32>>()               // indices
-      .template Arg<ffi::Buffer<ffi::S32>>()               // topk_length ([T] or [0])
-      .template Arg<ffi::Buffer<ffi::F32>>()               // attn_sink ([H] or [0])
-      .template Arg<ffi::AnyBuffer>()                      // extra_kv_cache
-      .template Arg<ffi::Buffer<ffi::S32>>()               // extra_indices ([T, extra_topk])
-      .template Arg<ffi::Buffer<ffi::S32>>()               // extra_topk_length ([T] or [0])
-      .template Arg<ffi::Buffer<ffi::S32>>()               // valid_tokens ([1])
-      .template Arg<ffi::Buffer<ffi::F32>>()               // lse ([T, H], the forward's)
-      .template Arg<ffi::Buffer<ffi::BF16>>()              // d_out ([T, H, d_v] or [0])
-      .template Arg<ffi::Buffer<ffi::F32>>()               // d_lse ([T, H] or [0])
-      .template Ret<ffi::Buffer<ffi::BF16>>()              // d_q ([T, H, d_qk] or [0])
-      .template Ret<ffi::Buffer<ffi::BF16>>()              // d_kv_cache ([G, *the bf16 cache's shape] or [0])
-      .template Ret<ffi::Buffer<ffi::F32>>()               // d_attn_sink ([G, H] or [0])
-      .template Attr<int32_t>("kv_format")
-      .template Attr<int32_t>("extra_kv_format")
-      .template Attr<float>("sm_scale")
-      .template Attr<int64_t>("page_size")
-      .template Attr<int64_t>("num_pages")
-      .template Attr<int64_t>("page_stride")
-      .template Attr<int64_t>("row_stride")
-      .template Attr<int64_t>("extra_page_size")
-      .template Attr<int64_t>("extra_num_pages")
-      .template Attr<int64_t>("extra_page_stride")
-      .template Attr<int64_t>("extra_row_stride")
+auto bind_backward(Binding&& binding) {
+  return bind_cache_attributes(bind_operands(std::forward<Binding>(binding))
+                                   .template Arg<ffi::Buffer<ffi::F32>>()    // lse ([T, H], the forward's)
+                                   .template Arg<ffi::Buffer<ffi::BF16>>()   // d_out ([T, H, d_v] or [0])
+                                   .template Arg<ffi::Buffer<ffi::F32>>()    // d_lse ([T, H] or [0])
+                                   .template Ret<ffi::Buffer<ffi::BF16>>()   // d_q ([T, H, d_qk] or [0])
+                                   .template Ret<ffi::Buffer<ffi::BF16>>()   // d_kv_cache ([G, *the cache's shape] or [0])
+                                   .template Ret<ffi::Buffer<ffi::F32>>())   // d_attn_sink ([G, H] or [0])
       .template Attr<int64_t>("gradient_groups");  // G: one cache and sink gradient per T / G rows
 }
 
