@@ -3,7 +3,10 @@
 #
 #   bash benchmarks/gpu_session.sh smoke          # build + GPU smoke tier + smoke benchmark
 #   bash benchmarks/gpu_session.sh full           # build + full GPU matrix
-#   bash benchmarks/gpu_session.sh sanitize       # build + compute-sanitizer memcheck on a subset
+#   bash benchmarks/gpu_session.sh sanitize       # build + compute-sanitizer memcheck, racecheck and
+#                                                 # synccheck on the tests named *sanitize*
+#   bash benchmarks/gpu_session.sh soak           # build + tests/gpu/soak.py (20 000 random launches
+#                                                 # under a watchdog, every 100th checked on the CPU)
 #   bash benchmarks/gpu_session.sh bench          # build + GPU smoke tier + the full benchmark grid
 #   bash benchmarks/gpu_session.sh release        # build + benchmark grid + full tier + planner sweep
 #   bash benchmarks/gpu_session.sh sweep          # build + calibrate + planner sweep
@@ -64,11 +67,29 @@ case "$mode" in
     run_tests -m "gpu or gpu_full" || status=1
     ;;
   sanitize)
+    # memcheck over every *sanitize* test; racecheck and synccheck (slower: every shared-memory access
+    # and barrier is tracked) over those of JSMLA_SANITIZE_FILTER (default: one FP8 and one BF16 format).
     export JSMLA_SANITIZE=1
-    compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 --target-processes all \
-      python3 -m pytest -q -p no:cacheprovider -m gpu -k "sanitize" "$repo/tests" > "$out/sanitizer.log" 2>&1
-    status=$?
-    grep -E "ERROR SUMMARY|passed|failed" "$out/sanitizer.log" | tail -5
+    filter=${JSMLA_SANITIZE_FILTER:-sanitize and (dsv3_2 or bf16_576)}
+    for tool in memcheck racecheck synccheck; do
+      selection="sanitize"
+      [ "$tool" = memcheck ] || selection="$filter"
+      extra=""
+      [ "$tool" = memcheck ] && extra="--leak-check no"
+      [ "$tool" = racecheck ] && extra="--racecheck-report all"
+      timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool $extra --error-exitcode 9 \
+        --target-processes all python3 -m pytest -q -p no:cacheprovider -m gpu -k "$selection" "$repo/tests" \
+        > "$out/sanitizer_$tool.log" 2>&1
+      rc=$?
+      [ $rc -eq 0 ] || status=1
+      echo "$tool: exit $rc; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
+      grep -E "passed|failed" "$out/sanitizer_$tool.log" | tail -1
+    done
+    ;;
+  soak)
+    timeout "${JSMLA_SOAK_TIMEOUT:-420}" python3 "$repo/tests/gpu/soak.py" --launches "${JSMLA_SOAK_LAUNCHES:-20000}" \
+      --out "$out/soak.json" > "$out/soak.log" 2>&1 || status=1
+    tail -6 "$out/soak.log"
     ;;
   bench)
     run_tests -m "gpu and not gpu_full" || status=1

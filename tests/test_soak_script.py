@@ -1,0 +1,27 @@
+"""The GPU soak script's machinery (random configurations, on-device data, the CPU check, the summary),
+run on the CPU kernel so CI catches a broken soak before a GPU session does."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+
+import soak  # noqa: E402
+
+
+def test_soak_dry_run_checks_every_other_launch(tmp_path):
+    summary_path = tmp_path / "soak.json"
+    code = soak.main(["--cpu_dry_run", "--launches", "6", "--configs", "3", "--check_every", "2", "--seed", "3",
+                      "--out", str(summary_path)])
+    summary = json.loads(summary_path.read_text())
+    assert code == 0, summary
+    assert summary["launches"] == 6 and summary["checks"] == 3 and summary["failures"] == 0
+    assert "dsv3_2" in summary["formats"] and not any("fp4" in f for f in summary["formats"])
+
+
+def test_soak_refuses_to_run_without_a_gpu(capsys):
+    assert soak.main(["--launches", "1"]) == 2
+    assert "needs a GPU" in capsys.readouterr().out
