@@ -32,7 +32,9 @@ archs=${JSMLA_SESSION_ARCHS:-90a-real}
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
-if ! JSMLA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps -v \
+# JSMLA_SESSION_SKIP_BUILD=1: a second mode in the same machine session reuses the installed build.
+if [ "${JSMLA_SESSION_SKIP_BUILD:-0}" != 1 ] && \
+   ! JSMLA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps -v \
     "$repo" -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$archs" > "$out/build.log" 2>&1; then
   tail -60 "$out/build.log"
   echo "BUILD FAILED"
