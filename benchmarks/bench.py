@@ -227,8 +227,19 @@ def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, i
     }
 
 
+EMPTY_SHARD_SHAPES = ((128, 128), (16, 128))  # (T, H): a prefill plan and a decode plan
+
+
 def empty_shard_rows(jsm, cache_entry, rng):
-    """Cost of a padded expert-parallel shard: the same call with valid_tokens = T and = 0."""
+    """Cost of a padded expert-parallel shard: the same call with valid_tokens = T and = 0, for a prefill
+    and a decode plan, with two harness floors per shape."""
+    rows = []
+    for tokens, heads in EMPTY_SHARD_SHAPES:
+        rows.extend(_empty_shard_shape(jsm, cache_entry, rng, tokens, heads))
+    return rows
+
+
+def _empty_shard_shape(jsm, cache_entry, rng, tokens, heads):
     import jax
     import jax.numpy as jnp
 
@@ -236,12 +247,21 @@ def empty_shard_rows(jsm, cache_entry, rng):
 
     cache, _, num_slots = cache_entry
     fmt = jsm.get_format("dsv3_2")
-    tokens, heads = 128, 128
     q = jnp.asarray(rng.standard_normal((tokens, heads, fmt.d_qk)), jnp.bfloat16)
     # The empty shard and the floor are short steps: time them over as many steps as small-T cases.
     short_steps = max(FLAGS.steps, FLAGS.small_steps)
     all_indices = jnp.asarray(rng.integers(0, num_slots, (short_steps, tokens, TOPK)), jnp.int32)
+    plan = jsm.plan(q.shape, fmt, TOPK, platform="cuda")
     rows = []
+
+    def row(impl, variant, seconds, fastest, slowest, ok, steps, num_splits=0):
+        rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": impl, "variant": variant,
+                     "num_splits": num_splits, "us": seconds * 1e6, "us_min": fastest * 1e6,
+                     "us_max": slowest * 1e6, "tflops": 0.0, "gbps": 0.0, "baseline_us": None, "speedup": None,
+                     "check": "ok" if ok else "FAIL", "max_err": 0.0, "rel_l2": 0.0, "lse_err": 0.0,
+                     "steps": int(steps)})
+        print(json.dumps(rows[-1]), flush=True)
+
     for valid in (tokens, 0):
         vt = jnp.int32(valid)
         indices = all_indices[:FLAGS.steps] if valid else all_indices
@@ -254,29 +274,22 @@ def empty_shard_rows(jsm, cache_entry, rng):
         ok = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
         if valid == 0:
             ok = ok and bool(jnp.all(out == 0)) and bool(jnp.all(lse == -jnp.inf))
-        seconds, fastest, slowest = time_scan(lambda ops, idx: jnp.sum(op(ops, idx)[0].astype(jnp.float32)),
-                                               (q, cache, vt), indices, FLAGS.repeats)
-        rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": f"valid_tokens={valid}",
-                     "variant": jsm.plan(q.shape, fmt, TOPK, platform="cuda").variant, "num_splits": 0,
-                     "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6, "tflops": 0.0,
-                     "gbps": 0.0, "baseline_us": None, "speedup": None, "check": "ok" if ok else "FAIL",
-                     "max_err": 0.0, "rel_l2": 0.0, "lse_err": 0.0, "steps": int(indices.shape[0])})
-        print(json.dumps(rows[-1]), flush=True)
-    # The harness floor: the same scan where the op only materialises an output-sized array (zeros but
-    # one element per row that depends on the step's indices) that the step then sums.
+        timing = time_scan(lambda ops, idx: jnp.sum(op(ops, idx)[0].astype(jnp.float32)), (q, cache, vt), indices,
+                           FLAGS.repeats)
+        row(f"valid_tokens={valid}", plan.variant, *timing, ok, indices.shape[0], plan.num_splits)
+    # Harness floors: the same scan where the op only produces an output-sized array (zeros but one element
+    # per row that depends on the step's indices) that the step then sums. XLA may fuse the zeros into the
+    # sum (nothing written: "fused"); behind an optimization barrier the array is written and read back
+    # ("materialised"), which is what any kernel that writes the output pays.
     out_shape = (tokens, heads, fmt.d_v)
 
     def floor_op(idx):
         return jnp.zeros(out_shape, jnp.bfloat16).at[:, 0, 0].set(idx[:, 0].astype(jnp.bfloat16))
 
-    seconds, fastest, slowest = time_scan(lambda ops, idx: jnp.sum(floor_op(idx).astype(jnp.float32)), (),
-                                           all_indices, FLAGS.repeats)
-    rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": "floor",
-                 "variant": "harness floor (write + sum an output-sized array)", "num_splits": 0,
-                 "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6, "tflops": 0.0,
-                 "gbps": 0.0, "baseline_us": None, "speedup": None, "check": "ok", "max_err": 0.0, "rel_l2": 0.0,
-                 "lse_err": 0.0, "steps": int(all_indices.shape[0])})
-    print(json.dumps(rows[-1]), flush=True)
+    for name, wrap in (("fused", lambda x: x), ("materialised", jax.lax.optimization_barrier)):
+        timing = time_scan(lambda ops, idx: jnp.sum(wrap(floor_op(idx)).astype(jnp.float32)), (), all_indices,
+                           FLAGS.repeats)
+        row("floor", f"harness floor, {name} (an output-sized array, summed)", *timing, True, all_indices.shape[0])
     return rows
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Where a small-batch decode step's time goes, on a GPU machine: per-kernel device times (ncu) of one
-# jitted step for T = 1 at H = 128 and H = 16, warp-stall sampling of the Hopper split kernel at T = 1
+# jitted step for each T:H of $JSMLA_PROFILE_SHAPES (default T = 1 at H = 128 and 16, T = 16 and 32 at
+# H = 128), warp-stall sampling of the Hopper split kernel at T = 1
 # H = 128, the standalone headline timings (split merge launched as a programmatic dependent or not)
 # and, when FlashMLA's sources are in $JSMLA_FLASHMLA_SRC (default .anchors/flashmla), its kernels
 # for the same shapes. Output: $OUT (default /tmp/jsmla_profile); a summary is printed.
@@ -23,10 +24,13 @@ kernel_times() {  # ncu per-kernel device times of a command's last jitted call 
   ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv "$@" 2>/dev/null
 }
 cd /tmp
-for heads in 128 16; do
-  kernel_times python3 "$repo/benchmarks/step_profile.py" --tokens 1 --heads $heads --steps 4 --once > "$out/step_h$heads.csv"
-  echo "== jitted step, T=1 H=$heads"
-  python3 "$repo/benchmarks/step_profile.py" --summarize "$out/step_h$heads.csv" --steps 4 | tail -8
+shapes=${JSMLA_PROFILE_SHAPES:-1:128 1:16 16:128 32:128}  # T:H of the step profiles
+for shape in $shapes; do
+  tokens=${shape%:*} heads=${shape#*:}
+  kernel_times python3 "$repo/benchmarks/step_profile.py" --tokens $tokens --heads $heads --steps 4 --once \
+    > "$out/step_t${tokens}_h$heads.csv"
+  echo "== jitted step, T=$tokens H=$heads"
+  python3 "$repo/benchmarks/step_profile.py" --summarize "$out/step_t${tokens}_h$heads.csv" --steps 4 | tail -8
 done
 ncu --clock-control none --cache-control none -k regex:sparse_mla_hopper --launch-skip 1 --launch-count 1 \
   --section SourceCounters --section WarpStateStats --section SpeedOfLight -o "$out/small" -f \
@@ -37,10 +41,12 @@ ncu -i "$out/small.ncu-rep" --page source --csv --print-source sass > "$out/smal
 python3 "$repo/kernels/cuda/tests/top_stalls.py" "$out/small_src.csv" 25
 wait
 if [ -d "$flashmla_src/flash_mla" ] && ls "$flashmla_src"/flash_mla/cuda*.so > /dev/null 2>&1; then
-  for heads in 128 64; do
-    PYTHONPATH="$flashmla_src" kernel_times python3 "$repo/benchmarks/flashmla_anchor.py" 1 $heads > "$out/flashmla_h$heads.csv"
-    echo "== FlashMLA decode, T=1 H=$heads (last call's kernels, µs)"
-    python3 - "$out/flashmla_h$heads.csv" <<'PY'
+  for shape in $shapes; do
+    tokens=${shape%:*} heads=${shape#*:}
+    PYTHONPATH="$flashmla_src" kernel_times python3 "$repo/benchmarks/flashmla_anchor.py" $tokens $heads \
+      > "$out/flashmla_t${tokens}_h$heads.csv"
+    echo "== FlashMLA decode, T=$tokens H=$heads (last call's kernels, µs)"
+    python3 - "$out/flashmla_t${tokens}_h$heads.csv" <<'PY'
 import csv, sys
 rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))
         if r.get("Metric Name") == "gpu__time_duration.sum"]
