@@ -5,7 +5,9 @@ public sources; not a dependency of this project) is importable. Our ``dsv3_2`` 
 to FlashMLA's V3.2 FP8 cache, so the same uint8 buffer is handed to both through DLPack; FlashMLA's
 prefill kernel reads a BF16 cache, which is the dequantized ``dsv3_2`` cache. FlashMLA is timed as a
 CUDA graph of one call per index set, replayed ``CALLS_PER_SAMPLE`` times per sample (CUDA events),
-median of the samples: the counterpart of the JAX harness's queued scan calls.
+median of the samples: the counterpart of the JAX harness's queued scan calls. Like a step of that scan,
+each call's output is summed (in float32) into an accumulator, so both sides do the same work per step
+besides the attention itself.
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ def _time_graph(calls, repeats, replays):
     return statistics.median(samples)
 
 
+def _consume(total, out):
+    """total += sum(out) in float32: the per-step work of the JAX harness (it sums each step's output)."""
+    import torch
+
+    total.add_(out.sum(dtype=torch.float32))
+
+
 def decode(q, cache, index_sets, sm_scale, repeats, replays):
     """FlashMLA's sparse FP8 decode on our ``dsv3_2`` cache.
 
@@ -76,12 +85,14 @@ def decode(q, cache, index_sets, sm_scale, repeats, replays):
     index_t = _torch(index_sets)
     sched, _ = flash_mla.get_mla_metadata()
     results = {}
+    total = torch.zeros((), dtype=torch.float32, device="cuda")
 
     def call(i):
         def run():
             results[i] = flash_mla.flash_mla_with_kvcache(q_t, k_cache, None, None, 512, sched, None,
                                                           softmax_scale=sm_scale, is_fp8_kvcache=True,
                                                           indices=index_t[i].view(tokens, 1, -1))
+            _consume(total, results[i][0][:, 0, :heads])
         return run
 
     us = _time_graph([call(i) for i in range(index_t.shape[0])], repeats, replays)
@@ -106,10 +117,12 @@ def prefill(q, kv_bf16, index_sets, sm_scale, repeats, replays):
     kv_t = _torch(kv_bf16).view(kv_bf16.shape[0], 1, kv_bf16.shape[1])
     index_t = _torch(index_sets)
     results = {}
+    total = torch.zeros((), dtype=torch.float32, device="cuda")
 
     def call(i):
         def run():
             results[i] = flash_mla.flash_mla_sparse_fwd(q_t, kv_t, index_t[i].view(tokens, 1, -1), sm_scale)
+            _consume(total, results[i][0])
         return run
 
     us = _time_graph([call(i) for i in range(index_t.shape[0])], repeats, replays)

@@ -6,16 +6,14 @@
 namespace jsmla::cuda {
 namespace {
 
-// Blocks of the narrow shape (256 threads) one SM holds at once by thread count.
-constexpr int kNarrowBlocksPerSm = 2048 / (kNarrowCombineLanes * kNarrowCombineGroups);
-
 template <int kDv>
-cudaError_t launch_shape(const CombineParams& p, int sm_count, cudaLaunchConfig_t config) {
+cudaError_t launch_shape(const CombineParams& p, cudaLaunchConfig_t config) {
   const int64_t rows = p.num_tokens * p.num_heads;
-  constexpr int kSlices = kDv / (4 * kNarrowCombineLanes);
-  // Few rows (a small batch): slices of a row on separate blocks, as long as they fit one wave.
-  if (rows * kSlices <= static_cast<int64_t>(sm_count) * kNarrowBlocksPerSm) {
-    config.gridDim = dim3(static_cast<unsigned>(rows), kSlices);
+  // Many splits (a small batch's plan): slices of a row on separate blocks of several split groups.
+  // The shape depends on num_splits alone, never on T, so a batch-invariant plan (fixed splits) merges
+  // every row in the same order at every batch size.
+  if (p.num_splits > kNarrowCombineGroups) {
+    config.gridDim = dim3(static_cast<unsigned>(rows), kDv / (4 * kNarrowCombineLanes));
     config.blockDim = dim3(kNarrowCombineLanes * kNarrowCombineGroups);
     return cudaLaunchKernelEx(&config, combine_splits_kernel<kDv, kNarrowCombineLanes, kNarrowCombineGroups>, p);
   }
@@ -26,7 +24,7 @@ cudaError_t launch_shape(const CombineParams& p, int sm_count, cudaLaunchConfig_
 
 }  // namespace
 
-cudaError_t launch_combine(const CombineParams& p, int d_v, int sm_count, bool dependent, cudaStream_t stream) {
+cudaError_t launch_combine(const CombineParams& p, int d_v, bool dependent, cudaStream_t stream) {
   if (p.num_tokens * p.num_heads == 0) return cudaSuccess;
   if (p.num_splits < 1 || p.num_splits > kCombineMaxSplits) return cudaErrorInvalidValue;
   cudaLaunchConfig_t config = {};
@@ -38,8 +36,8 @@ cudaError_t launch_combine(const CombineParams& p, int d_v, int sm_count, bool d
   config.attrs = &attribute;
   config.numAttrs = dependent ? 1 : 0;
   switch (d_v) {
-    case 512: return launch_shape<512>(p, sm_count, config);
-    case 1024: return launch_shape<1024>(p, sm_count, config);
+    case 512: return launch_shape<512>(p, config);
+    case 1024: return launch_shape<1024>(p, config);
     default: return cudaErrorInvalidValue;
   }
 }

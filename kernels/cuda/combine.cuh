@@ -1,14 +1,15 @@
 // Merging the split-K partial states of a decode call (layout: split_workspace.h) into out/lse.
 // A block merges a slice of 4 * kLanes output columns of one (token, head) row with kLanes * kGroups
 // threads. Its threads first read the row's per-split log-sum-exp values in parallel (one split per
-// thread) and reduce them in a fixed tree order; then each of the kGroups thread groups owns every
-// kGroups-th split, each thread a float4 of the slice, with a group's loads in flight together (the
-// merge is latency-bound); the groups' sums are added in group order through shared memory. Two shapes
-// (combine.cu picks one from the row count): few rows — a T=1 call — split each row over several
-// blocks of 8 groups, so the merge spreads over many SMs and a thread walks few splits; many rows take
-// one block of one group per row. Every order is fixed by num_splits and the shape alone, so the
-// result is bitwise reproducible (no atomics). The kernel is launched as the programmatic dependent of
-// the split kernel and waits for it before it reads the workspace. Shared by every kernel family.
+// thread) and reduce them in a fixed tree order, while each thread's first partial loads are already
+// in flight; then each of the kGroups thread groups owns every kGroups-th split, each thread a float4
+// of the slice, with a group's loads in flight together (the merge is latency-bound); the groups' sums
+// are added in group order through shared memory. Two shapes (combine.cu picks one from num_splits
+// alone): many splits — a small batch's plan — split each row over several blocks of 8 groups, so the
+// merge spreads over many SMs and a thread walks few splits; few splits take one block of one group
+// per row. Every order is fixed by num_splits, so the result is bitwise reproducible (no atomics) and
+// the same at every batch size. The kernel is launched as the programmatic dependent of the split
+// kernel and waits for it before it reads the workspace. Shared by every kernel family.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -46,12 +47,20 @@ JSMLA_DEVICE float block_reduce(float value, float* scratch) {
   return total;
 }
 
+// Blocks per SM a shape is compiled for (its register budget is 65536 / (blocks × threads)). The merge
+// is latency-bound, so the loads in flight per SM, not per thread, set its speed: the wide shape runs
+// 2048 threads per SM (32 registers each); the narrow one, which keeps its group sums in shared memory
+// and would spill at 32, runs 1024.
+template <int kLanes, int kGroups>
+inline constexpr int kCombineBlocksPerSm = (kGroups == 1 ? 2048 : 1024) / (kLanes * kGroups);
+
 template <int kDv, int kLanes, int kGroups>
-__global__ void __launch_bounds__(kLanes * kGroups) combine_splits_kernel(const __grid_constant__ CombineParams p) {
+__global__ void __launch_bounds__(kLanes * kGroups, (kCombineBlocksPerSm<kLanes, kGroups>))
+    combine_splits_kernel(const __grid_constant__ CombineParams p) {
   constexpr int kThreads = kLanes * kGroups;
   constexpr int kColumns = 4 * kLanes;
-  // A thread's splits whose partial loads are in flight together.
-  constexpr int kSplitsInFlight = kGroups == 1 ? 16 : 8;
+  // A thread's splits whose partial loads are in flight together (more would not fit 32 registers).
+  constexpr int kSplitsInFlight = 4;
   static_assert(kDv % kColumns == 0, "the row splits into whole column slices");
   static_assert(kThreads <= 1024 && kThreads % 32 == 0, "a block is whole warps");
   extern __shared__ float split_weight[];  // [num_splits]
@@ -72,6 +81,24 @@ __global__ void __launch_bounds__(kLanes * kGroups) combine_splits_kernel(const 
     return;
   }
 
+  // This group's splits group, group + kGroups, ..., in order, kSplitsInFlight at a time. The first
+  // batch is loaded before the weights are known (the loads overlap the lse reduction below): every
+  // split writes its partial row of a valid token (zeros when it saw no candidate), and a split of
+  // weight 0 still contributes exactly 0 (its loaded value is replaced, never multiplied).
+  const float* const partial_column = p.workspace.partial_out + column;
+  float4 part[kSplitsInFlight];
+  auto load_batch = [&](int first) {
+#pragma unroll
+    for (int u = 0; u < kSplitsInFlight; ++u) {
+      const int s = first + u * kGroups;
+      part[u] = s < p.num_splits
+                    ? *reinterpret_cast<const float4*>(
+                          partial_column + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv)
+                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  };
+  load_batch(group);
+
   // The splits' lse values (thread t holds splits t, t + kThreads, ...), their max and sum.
   float own_max = -INFINITY;
   for (int s = threadIdx.x; s < p.num_splits; s += kThreads) {
@@ -87,29 +114,22 @@ __global__ void __launch_bounds__(kLanes * kGroups) combine_splits_kernel(const 
   const float sum = block_reduce<false, kThreads>(own_sum, scratch);
   const float splits_lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
   const float lse = lse_with_sink(splits_lse, p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY);
-  // An empty split (or a +inf sink) gets weight 0 and its row is never read.
+  // An empty split (or a +inf sink) gets weight 0: its loaded row is replaced by zeros.
   for (int s = threadIdx.x; s < p.num_splits; s += kThreads) split_weight[s] = state_weight(split_weight[s], lse);
   __syncthreads();
 
-  // This group's splits group, group + kGroups, ..., in order.
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int first = group; first < p.num_splits; first += kGroups * kSplitsInFlight) {
-    float weight[kSplitsInFlight];
-    float4 part[kSplitsInFlight];
+    if (first != group) load_batch(first);
 #pragma unroll
     for (int u = 0; u < kSplitsInFlight; ++u) {
       const int s = first + u * kGroups;
-      weight[u] = s < p.num_splits ? split_weight[s] : 0.0f;
-      const float4* source = reinterpret_cast<const float4*>(
-          p.workspace.partial_out + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv + column);
-      part[u] = weight[u] != 0.0f ? *source : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int u = 0; u < kSplitsInFlight; ++u) {
-      acc.x += weight[u] * part[u].x;
-      acc.y += weight[u] * part[u].y;
-      acc.z += weight[u] * part[u].z;
-      acc.w += weight[u] * part[u].w;
+      const float weight = s < p.num_splits ? split_weight[s] : 0.0f;
+      const float4 value = weight != 0.0f ? part[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      acc.x += weight * value.x;
+      acc.y += weight * value.y;
+      acc.z += weight * value.z;
+      acc.w += weight * value.w;
     }
   }
   if constexpr (kGroups > 1) {

@@ -28,7 +28,9 @@ import oracle  # noqa: E402
 import jax_sparse_mla as jsm  # noqa: E402
 from jax_sparse_mla import _ffi, kernel_tables, planner, validate  # noqa: E402
 
-FORMATS = list(jsm.FORMATS)
+#: The formats the CUDA kernels serve; the others (FP4) are refused on the GPU at trace time.
+FORMATS = [key for key in jsm.FORMATS if kernel_tables.has_cuda_kernels(key)]
+NO_CUDA_FORMATS = [key for key in jsm.FORMATS if not kernel_tables.has_cuda_kernels(key)]
 VARIANTS = ("decode", "prefill")
 gpu = pytest.mark.gpu
 gpu_full = pytest.mark.gpu_full
@@ -51,6 +53,16 @@ def test_every_format_matches_oracle_sanitize(rng, key, impl):
     case = cases.make_case(rng, key, num_tokens=5, num_heads=16, topk=40, attn_sink=rng.standard_normal(16)
                            .astype(np.float32))
     case.check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS + ("auto",))
+@pytest.mark.parametrize("key", NO_CUDA_FORMATS)
+def test_format_without_cuda_kernel_is_refused_and_runs_with_xla(rng, key, impl):
+    case = cases.make_case(rng, key, num_tokens=5, num_heads=16, topk=40)
+    with pytest.raises(ValueError, match=f"kv_format: '{key}' has no CUDA kernel yet.*impl='xla'"):
+        case.run(impl)
+    case.check("xla")
 
 
 @gpu
@@ -159,10 +171,14 @@ def test_deterministic_over_ten_runs(rng, impl):
 
 
 @gpu
+@pytest.mark.parametrize("topk", [600, 2500])  # 3 splits (one split group per row), 10 (a row over blocks)
 @pytest.mark.parametrize("num_heads", [16, 128])  # 128: the Hopper kernels on an sm_90 GPU
-def test_batch_invariant_token_output_does_not_depend_on_batch(rng, num_heads):
-    case = cases.make_case(rng, "dsv3_2", num_tokens=64, num_heads=num_heads, topk=600, cache_tokens=8192,
+def test_batch_invariant_token_output_does_not_depend_on_batch(rng, num_heads, topk):
+    case = cases.make_case(rng, "dsv3_2", num_tokens=64, num_heads=num_heads, topk=topk, cache_tokens=8192,
                            topk_length=None, invalid_fraction=0.0, poison=False)
+    for tokens in (1, 64):
+        plan = jsm.plan((tokens, num_heads, 576), "dsv3_2", topk, platform="cuda", batch_invariant=True)
+        assert plan.num_splits == -(-topk // planner.BATCH_INVARIANT_SPLIT_SIZE)
     q, cache, indices = jnp.asarray(case.q), jnp.asarray(case.main.array), jnp.asarray(case.indices)
     run = jax.jit(lambda q, i: jsm.sparse_mla(q, cache, i, kv_format="dsv3_2", sm_scale=0.05,
                                               batch_invariant=True))
