@@ -138,10 +138,11 @@ bool hopper_allowed() {
   return allowed;
 }
 
-// What the launches depend on besides the kernel: the compute capability (major * 10 + minor) of the
-// current device.
+// What the launches depend on besides the kernel: the compute capability (major * 10 + minor) and the
+// SM count of the current device.
 struct DeviceFacts {
   int capability = 0;
+  int sm_count = 0;
 };
 
 // The kernel that runs the plan on the current device (no device data is read): the family
@@ -152,6 +153,7 @@ ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, const K
   int major = 0, minor = 0, max_shared = 0;
   cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&facts->sm_count, cudaDevAttrMultiProcessorCount, device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return cuda_error("cudaDeviceGetAttribute", e);
   facts->capability = 10 * major + minor;
@@ -199,7 +201,7 @@ ffi::Error launch(const KernelInfo& kernel, const FormatTraits& f, const PlanAtt
   combine.valid_tokens = a.valid_tokens;
   combine.out = a.out;
   combine.lse = a.lse;
-  if (cudaError_t e = cuda::launch_combine(combine, f.d_v,
+  if (cudaError_t e = cuda::launch_combine(combine, f.d_v, device.sm_count,
                                            device.capability >= kDependentLaunchCapability, stream);
       e != cudaSuccess) {
     return cuda_error("sparse_mla combine kernel", e);

@@ -1,4 +1,5 @@
-// Host entry of the split-K combine kernel (combine.cuh): picks the block shape and launches it.
+// Host entry of the split-K combine kernel (combine.cuh): picks the block shape and the loads in flight,
+// and launches it. Every choice here changes the speed only: all shapes sum in one order.
 #include "kernels/cuda/combine.h"
 
 #include "kernels/cuda/combine.cuh"
@@ -6,25 +7,45 @@
 namespace jsmla::cuda {
 namespace {
 
+// An instantiation: its shape, a thread's loads in flight and the threads per SM it is compiled for
+// (its register budget: 65536 / threads per SM).
+template <int kDv, int kLanes, int kGroups, int kSplitsInFlight, int kThreadsPerSm, bool kFewSplits = false>
+cudaError_t launch_instance(const CombineParams& p, cudaLaunchConfig_t config) {
+  constexpr int kThreads = kLanes * kGroups;
+  static_assert(kThreadsPerSm % kThreads == 0 && kThreadsPerSm <= 2048, "whole blocks within an SM's threads");
+  config.blockDim = dim3(kThreads);
+  return cudaLaunchKernelEx(&config, combine_splits_kernel<kDv, kLanes, kGroups, kSplitsInFlight,
+                                                           kThreadsPerSm / kThreads, kFewSplits>, p);
+}
+
+// The narrow shape: 8 loads in flight (a merge group of up to 64 splits in one batch), 1024 threads per
+// SM (64 registers).
+constexpr int kNarrowThreadsPerSm = 1024;
+
 template <int kDv>
-cudaError_t launch_shape(const CombineParams& p, cudaLaunchConfig_t config) {
+cudaError_t launch_shape(const CombineParams& p, int sm_count, cudaLaunchConfig_t config) {
   const int64_t rows = p.num_tokens * p.num_heads;
-  // Many splits (a small batch's plan): slices of a row on separate blocks of several split groups.
-  // The shape depends on num_splits alone, never on T, so a batch-invariant plan (fixed splits) merges
-  // every row in the same order at every batch size.
-  if (p.num_splits > kNarrowCombineGroups) {
-    config.gridDim = dim3(static_cast<unsigned>(rows), kDv / (4 * kNarrowCombineLanes));
-    config.blockDim = dim3(kNarrowCombineLanes * kNarrowCombineGroups);
-    return cudaLaunchKernelEx(&config, combine_splits_kernel<kDv, kNarrowCombineLanes, kNarrowCombineGroups>, p);
+  constexpr int kSlices = kDv / (4 * kNarrowCombineLanes);
+  constexpr int kNarrowBlocksPerSm = kNarrowThreadsPerSm / (kNarrowCombineLanes * kNarrowCombineGroups);
+  // Few rows (a small batch): slices of a row on separate blocks, as long as they fit one wave.
+  if (rows * kSlices <= static_cast<int64_t>(sm_count) * kNarrowBlocksPerSm) {
+    config.gridDim = dim3(static_cast<unsigned>(rows), kSlices);
+    return launch_instance<kDv, kNarrowCombineLanes, kNarrowCombineGroups, 8, kNarrowThreadsPerSm>(p, config);
   }
+  // Many rows: one block per row, with every split's load in flight at once where registers allow
+  // (a thread walks all the splits): more loads per thread, fewer threads per SM.
   config.gridDim = dim3(static_cast<unsigned>(rows), 1);
-  config.blockDim = dim3(kWideCombineLanes<kDv>);
-  return cudaLaunchKernelEx(&config, combine_splits_kernel<kDv, kWideCombineLanes<kDv>, 1>, p);
+  constexpr int kLanes = kWideCombineLanes<kDv>;
+  static_assert(kMergeGroups == 8, "the split counts below assume 8 merge groups");
+  if (p.num_splits <= 2) return launch_instance<kDv, kLanes, 1, 2, 2048, true>(p, config);
+  if (p.num_splits <= 4) return launch_instance<kDv, kLanes, 1, 4, 1536, true>(p, config);
+  if (p.num_splits <= 8) return launch_instance<kDv, kLanes, 1, 8, 1024, true>(p, config);
+  return launch_instance<kDv, kLanes, 1, 16, 512>(p, config);
 }
 
 }  // namespace
 
-cudaError_t launch_combine(const CombineParams& p, int d_v, bool dependent, cudaStream_t stream) {
+cudaError_t launch_combine(const CombineParams& p, int d_v, int sm_count, bool dependent, cudaStream_t stream) {
   if (p.num_tokens * p.num_heads == 0) return cudaSuccess;
   if (p.num_splits < 1 || p.num_splits > kCombineMaxSplits) return cudaErrorInvalidValue;
   cudaLaunchConfig_t config = {};
@@ -36,8 +57,8 @@ cudaError_t launch_combine(const CombineParams& p, int d_v, bool dependent, cuda
   config.attrs = &attribute;
   config.numAttrs = dependent ? 1 : 0;
   switch (d_v) {
-    case 512: return launch_shape<512>(p, config);
-    case 1024: return launch_shape<1024>(p, config);
+    case 512: return launch_shape<512>(p, sm_count, config);
+    case 1024: return launch_shape<1024>(p, sm_count, config);
     default: return cudaErrorInvalidValue;
   }
 }

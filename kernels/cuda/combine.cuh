@@ -2,14 +2,18 @@
 // A block merges a slice of 4 * kLanes output columns of one (token, head) row with kLanes * kGroups
 // threads. Its threads first read the row's per-split log-sum-exp values in parallel (one split per
 // thread) and reduce them in a fixed tree order, while each thread's first partial loads are already
-// in flight; then each of the kGroups thread groups owns every kGroups-th split, each thread a float4
-// of the slice, with a group's loads in flight together (the merge is latency-bound); the groups' sums
-// are added in group order through shared memory. Two shapes (combine.cu picks one from num_splits
-// alone): many splits — a small batch's plan — split each row over several blocks of 8 groups, so the
-// merge spreads over many SMs and a thread walks few splits; few splits take one block of one group
-// per row. Every order is fixed by num_splits, so the result is bitwise reproducible (no atomics) and
-// the same at every batch size. The kernel is launched as the programmatic dependent of the split
-// kernel and waits for it before it reads the workspace. Shared by every kernel family.
+// in flight (the merge is latency-bound); then each thread adds its float4 of every split's partial.
+//
+// One summation order for every shape: the splits form kMergeGroups merge groups (split s in group
+// s % kMergeGroups); a group's splits are added in order into a sum started at zero (one fused
+// multiply-add each), and the group sums are added in group order. The narrow shape gives each of its
+// kMergeGroups thread groups one merge group (sums through shared memory) and splits a row over
+// d_v / (4 kNarrowCombineLanes) blocks, so few rows — a T = 1 call — still spread over many SMs; the
+// wide shape walks all merge groups in one thread, one block per row. Both produce the same bits, so
+// combine.cu may pick the shape (and the loads in flight) from the row count without changing any
+// result: bitwise reproducible, no atomics, and a batch-invariant plan gives every row the same bits at
+// every T. The kernel is launched as the programmatic dependent of the split kernel and waits for it
+// before it reads the workspace. Shared by every kernel family.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,9 +26,12 @@ namespace jsmla::cuda {
 // Splits one merge reads (its shared memory holds a weight per split); the handler checks plans against it.
 inline constexpr int kCombineMaxSplits = 4096;
 
-// The two block shapes: (float4 lanes of a row slice, split groups).
+// Merge groups of the summation order (above); the narrow shape has one thread group per merge group.
+inline constexpr int kMergeGroups = 8;
+
+// The two block shapes: (float4 lanes of a row slice, thread groups).
 inline constexpr int kNarrowCombineLanes = 32;
-inline constexpr int kNarrowCombineGroups = 8;
+inline constexpr int kNarrowCombineGroups = kMergeGroups;
 template <int kDv>
 inline constexpr int kWideCombineLanes = kDv / 4;
 
@@ -47,20 +54,46 @@ JSMLA_DEVICE float block_reduce(float value, float* scratch) {
   return total;
 }
 
-// Blocks per SM a shape is compiled for (its register budget is 65536 / (blocks × threads)). The merge
-// is latency-bound, so the loads in flight per SM, not per thread, set its speed: the wide shape runs
-// 2048 threads per SM (32 registers each); the narrow one, which keeps its group sums in shared memory
-// and would spill at 32, runs 1024.
-template <int kLanes, int kGroups>
-inline constexpr int kCombineBlocksPerSm = (kGroups == 1 ? 2048 : 1024) / (kLanes * kGroups);
+// The position of a thread's i-th split in the summation order: its merge group and the split. A
+// narrow thread walks the splits group, group + kMergeGroups, ...; a wide thread walks every merge
+// group in turn. split >= num_splits: past the thread's last split.
+struct MergePosition {
+  int merge_group;
+  int split;
+};
+template <int kGroups>
+JSMLA_DEVICE MergePosition merge_position(int i, int group, int num_splits) {
+  static_assert(kGroups == 1 || kGroups == kMergeGroups, "a thread walks one merge group or all of them");
+  if constexpr (kGroups == kMergeGroups) {
+    return {group, group + kMergeGroups * i};
+  } else {
+    // Merge groups g < extra hold `per_group + 1` splits, the others `per_group`.
+    const int per_group = num_splits / kMergeGroups, extra = num_splits % kMergeGroups;
+    const int long_part = extra * (per_group + 1);
+    if (i >= num_splits) return {kMergeGroups, num_splits};
+    if (i < long_part) return {i / (per_group + 1), i / (per_group + 1) + kMergeGroups * (i % (per_group + 1))};
+    const int g = extra + (i - long_part) / per_group;
+    return {g, g + kMergeGroups * ((i - long_part) % per_group)};
+  }
+}
 
-template <int kDv, int kLanes, int kGroups>
-__global__ void __launch_bounds__(kLanes * kGroups, (kCombineBlocksPerSm<kLanes, kGroups>))
+JSMLA_DEVICE void add_float4(float4& sum, const float4& value) {
+  sum.x += value.x;
+  sum.y += value.y;
+  sum.z += value.z;
+  sum.w += value.w;
+}
+
+// kSplitsInFlight: a thread's partial loads in flight together; kBlocksPerSm: the blocks per SM the
+// instantiation is compiled for (its register budget, 65536 / (blocks × threads)); kFewSplits: the
+// caller guarantees num_splits <= kMergeGroups, so a wide thread's merge groups hold one split each (the
+// same order with less bookkeeping).
+template <int kDv, int kLanes, int kGroups, int kSplitsInFlight, int kBlocksPerSm, bool kFewSplits>
+__global__ void __launch_bounds__(kLanes * kGroups, kBlocksPerSm)
     combine_splits_kernel(const __grid_constant__ CombineParams p) {
   constexpr int kThreads = kLanes * kGroups;
+  constexpr bool kOneSplitPerGroup = kGroups == 1 && kFewSplits;
   constexpr int kColumns = 4 * kLanes;
-  // A thread's splits whose partial loads are in flight together (more would not fit 32 registers).
-  constexpr int kSplitsInFlight = 4;
   static_assert(kDv % kColumns == 0, "the row splits into whole column slices");
   static_assert(kThreads <= 1024 && kThreads % 32 == 0, "a block is whole warps");
   extern __shared__ float split_weight[];  // [num_splits]
@@ -81,23 +114,24 @@ __global__ void __launch_bounds__(kLanes * kGroups, (kCombineBlocksPerSm<kLanes,
     return;
   }
 
-  // This group's splits group, group + kGroups, ..., in order, kSplitsInFlight at a time. The first
-  // batch is loaded before the weights are known (the loads overlap the lse reduction below): every
-  // split writes its partial row of a valid token (zeros when it saw no candidate), and a split of
-  // weight 0 still contributes exactly 0 (its loaded value is replaced, never multiplied).
+  // The thread's splits in summation order, kSplitsInFlight at a time. The first batch is loaded
+  // before the weights are known (the loads overlap the lse reduction below): every split writes its
+  // partial row of a valid token (zeros when it saw no candidate), and a split of weight 0 adds exactly
+  // 0 (its loaded value is replaced, never multiplied).
+  const int count = kGroups == 1 ? p.num_splits : (p.num_splits - group + kMergeGroups - 1) / kMergeGroups;
   const float* const partial_column = p.workspace.partial_out + column;
   float4 part[kSplitsInFlight];
   auto load_batch = [&](int first) {
 #pragma unroll
     for (int u = 0; u < kSplitsInFlight; ++u) {
-      const int s = first + u * kGroups;
+      const int s = kOneSplitPerGroup ? first + u : merge_position<kGroups>(first + u, group, p.num_splits).split;
       part[u] = s < p.num_splits
                     ? *reinterpret_cast<const float4*>(
                           partial_column + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv)
                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
   };
-  load_batch(group);
+  load_batch(0);
 
   // The splits' lse values (thread t holds splits t, t + kThreads, ...), their max and sum.
   float own_max = -INFINITY;
@@ -118,34 +152,66 @@ __global__ void __launch_bounds__(kLanes * kGroups, (kCombineBlocksPerSm<kLanes,
   for (int s = threadIdx.x; s < p.num_splits; s += kThreads) split_weight[s] = state_weight(split_weight[s], lse);
   __syncthreads();
 
+  // Summation (above): `acc` is the open merge group's sum; `total` the closed groups' sum in order.
+  float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if constexpr (kOneSplitPerGroup) {
+    for (int first = 0; first < p.num_splits; first += kSplitsInFlight) {
+      if (first != 0) load_batch(first);
+#pragma unroll
+      for (int u = 0; u < kSplitsInFlight; ++u) {
+        const int s = first + u;
+        if (s >= p.num_splits) break;
+        const float weight = split_weight[s];
+        const float4 value = weight != 0.0f ? part[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float4 group_total = make_float4(fmaf(weight, value.x, 0.0f), fmaf(weight, value.y, 0.0f),
+                                               fmaf(weight, value.z, 0.0f), fmaf(weight, value.w, 0.0f));
+        if (s == 0) {
+          total = group_total;
+        } else {
+          add_float4(total, group_total);
+        }
+      }
+    }
+    for (int g = p.num_splits; g < kMergeGroups; ++g) add_float4(total, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+  } else {
+  const int first_group = kGroups == 1 ? 0 : group;
+  const int last_group = kGroups == 1 ? kMergeGroups - 1 : group;
+  int open_group = first_group;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int first = group; first < p.num_splits; first += kGroups * kSplitsInFlight) {
-    if (first != group) load_batch(first);
+  auto close_group = [&]() {
+    if (open_group == first_group) {
+      total = acc;
+    } else {
+      add_float4(total, acc);
+    }
+    acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    ++open_group;
+  };
+  for (int first = 0; first < count; first += kSplitsInFlight) {
+    if (first != 0) load_batch(first);
 #pragma unroll
     for (int u = 0; u < kSplitsInFlight; ++u) {
-      const int s = first + u * kGroups;
-      const float weight = s < p.num_splits ? split_weight[s] : 0.0f;
+      const MergePosition position = merge_position<kGroups>(first + u, group, p.num_splits);
+      if (position.split >= p.num_splits) break;
+      while (open_group < position.merge_group) close_group();
+      const float weight = split_weight[position.split];
       const float4 value = weight != 0.0f ? part[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      acc.x += weight * value.x;
-      acc.y += weight * value.y;
-      acc.z += weight * value.z;
-      acc.w += weight * value.w;
+      acc.x = fmaf(weight, value.x, acc.x);
+      acc.y = fmaf(weight, value.y, acc.y);
+      acc.z = fmaf(weight, value.z, acc.z);
+      acc.w = fmaf(weight, value.w, acc.w);
     }
   }
+  while (open_group <= last_group) close_group();  // empty merge groups add +0 in both shapes
+  }
   if constexpr (kGroups > 1) {
-    group_sum[group][lane] = acc;
+    group_sum[group][lane] = total;
     __syncthreads();
   }
   if (group == 0) {
 #pragma unroll
-    for (int g = 1; g < kGroups; ++g) {
-      const float4 other = group_sum[g][lane];
-      acc.x += other.x;
-      acc.y += other.y;
-      acc.z += other.z;
-      acc.w += other.w;
-    }
-    *out = make_uint2(pack_bf16x2(acc.x, acc.y), pack_bf16x2(acc.z, acc.w));
+    for (int g = 1; g < kGroups; ++g) add_float4(total, group_sum[g][lane]);
+    *out = make_uint2(pack_bf16x2(total.x, total.y), pack_bf16x2(total.z, total.w));
     if (blockIdx.y == 0 && threadIdx.x == 0) p.lse[row] = lse;
   }
 }

@@ -293,6 +293,7 @@ struct Plan {
 
 bool g_hopper_device = false;  // sm_90 GPU and a build with the Hopper family's sm_90a code
 bool g_dependent_combine = false;  // sm_90 or newer: the combine is the split kernel's programmatic dependent
+int g_sm_count = 0;
 
 Plan on_hopper(Plan plan) {
   plan.hopper = true;
@@ -340,7 +341,7 @@ void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
     c.valid_tokens = p.attn.valid_tokens;
     c.out = p.attn.out;
     c.lse = p.attn.lse;
-    CHECK_CUDA(cuda::launch_combine(c, d.f->d_v, g_dependent_combine && plan.dependent_combine, stream));
+    CHECK_CUDA(cuda::launch_combine(c, d.f->d_v, g_sm_count, g_dependent_combine && plan.dependent_combine, stream));
   }
 }
 
@@ -686,6 +687,7 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   g_hopper_device = prop.major * 10 + prop.minor == cuda::kHopperComputeCapability && cuda::hopper_compiled();
   g_dependent_combine = prop.major >= 9;
+  g_sm_count = prop.multiProcessorCount;
   // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
   // the Hopper family when available, else the portable one). --headline: the headline shapes on the
   // Hopper family, each checked and timed (a quick performance comparison between builds).
