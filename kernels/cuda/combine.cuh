@@ -18,6 +18,8 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
+
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/softmax_merge.cuh"
 
@@ -54,28 +56,25 @@ JSMLA_DEVICE float block_reduce(float value, float* scratch) {
   return total;
 }
 
-// The position of a thread's i-th split in the summation order: its merge group and the split. A
-// narrow thread walks the splits group, group + kMergeGroups, ...; a wide thread walks every merge
-// group in turn. split >= num_splits: past the thread's last split.
-struct MergePosition {
+// A thread's place in the summation order (split = merge_group + kMergeGroups * k). A narrow thread
+// walks the splits group, group + kMergeGroups, ...; a wide thread walks every merge group in turn.
+// Advancing is increments only (no division in the merge loop).
+struct MergeCursor {
   int merge_group;
-  int split;
-};
-template <int kGroups>
-JSMLA_DEVICE MergePosition merge_position(int i, int group, int num_splits) {
-  static_assert(kGroups == 1 || kGroups == kMergeGroups, "a thread walks one merge group or all of them");
-  if constexpr (kGroups == kMergeGroups) {
-    return {group, group + kMergeGroups * i};
-  } else {
-    // Merge groups g < extra hold `per_group + 1` splits, the others `per_group`.
-    const int per_group = num_splits / kMergeGroups, extra = num_splits % kMergeGroups;
-    const int long_part = extra * (per_group + 1);
-    if (i >= num_splits) return {kMergeGroups, num_splits};
-    if (i < long_part) return {i / (per_group + 1), i / (per_group + 1) + kMergeGroups * (i % (per_group + 1))};
-    const int g = extra + (i - long_part) / per_group;
-    return {g, g + kMergeGroups * ((i - long_part) % per_group)};
+  int k;
+  // The split at the cursor; >= num_splits past the thread's last split.
+  JSMLA_DEVICE int split() const { return merge_group < kMergeGroups ? merge_group + kMergeGroups * k : INT_MAX; }
+  template <int kGroups>
+  JSMLA_DEVICE void advance(int num_splits) {
+    static_assert(kGroups == 1 || kGroups == kMergeGroups, "a thread walks one merge group or all of them");
+    if (kGroups == kMergeGroups || split() + kMergeGroups < num_splits) {
+      ++k;
+    } else {
+      ++merge_group;
+      k = 0;
+    }
   }
-}
+};
 
 JSMLA_DEVICE void add_float4(float4& sum, const float4& value) {
   sum.x += value.x;
@@ -121,14 +120,16 @@ __global__ void __launch_bounds__(kLanes * kGroups, kBlocksPerSm)
   const int count = kGroups == 1 ? p.num_splits : (p.num_splits - group + kMergeGroups - 1) / kMergeGroups;
   const float* const partial_column = p.workspace.partial_out + column;
   float4 part[kSplitsInFlight];
+  MergeCursor load_cursor{kGroups == 1 ? 0 : group, 0};
   auto load_batch = [&](int first) {
 #pragma unroll
     for (int u = 0; u < kSplitsInFlight; ++u) {
-      const int s = kOneSplitPerGroup ? first + u : merge_position<kGroups>(first + u, group, p.num_splits).split;
+      const int s = kOneSplitPerGroup ? first + u : load_cursor.split();
       part[u] = s < p.num_splits
                     ? *reinterpret_cast<const float4*>(
                           partial_column + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv)
                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if constexpr (!kOneSplitPerGroup) load_cursor.template advance<kGroups>(p.num_splits);
     }
   };
   load_batch(0);
@@ -178,6 +179,7 @@ __global__ void __launch_bounds__(kLanes * kGroups, kBlocksPerSm)
   const int last_group = kGroups == 1 ? kMergeGroups - 1 : group;
   int open_group = first_group;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  MergeCursor cursor{first_group, 0};
   auto close_group = [&]() {
     if (open_group == first_group) {
       total = acc;
@@ -191,10 +193,11 @@ __global__ void __launch_bounds__(kLanes * kGroups, kBlocksPerSm)
     if (first != 0) load_batch(first);
 #pragma unroll
     for (int u = 0; u < kSplitsInFlight; ++u) {
-      const MergePosition position = merge_position<kGroups>(first + u, group, p.num_splits);
-      if (position.split >= p.num_splits) break;
-      while (open_group < position.merge_group) close_group();
-      const float weight = split_weight[position.split];
+      const int split = cursor.split();
+      if (split >= p.num_splits) break;
+      while (open_group < cursor.merge_group) close_group();
+      cursor.advance<kGroups>(p.num_splits);
+      const float weight = split_weight[split];
       const float4 value = weight != 0.0f ? part[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       acc.x = fmaf(weight, value.x, acc.x);
       acc.y = fmaf(weight, value.y, acc.y);
