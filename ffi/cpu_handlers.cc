@@ -1,4 +1,4 @@
-// CPU XLA FFI handler: decodes the call and runs the reference C++ kernel.
+// CPU XLA FFI handler: decodes the call and runs the C++ CPU kernel.
 #include "ffi/cpu_handlers.h"
 
 #include "ffi/attention_args.h"
@@ -28,7 +28,11 @@ ffi::Error SparseMlaCpu(ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cache, ffi::
       {extra_page_size, extra_num_pages, extra_page_stride, extra_row_stride}, q, kv_cache, indices, topk_length,
       attn_sink, extra_kv_cache, extra_indices, extra_topk_length, valid_tokens, out, lse, &format, &params);
   if (error.failure()) return error;
-  sparse_mla_cpu(*format, params, /*num_threads=*/0);
+  CpuKernelOptions options;
+  if (const std::string problem = cpu_kernel_options_from_environment(&options); !problem.empty()) {
+    return ffi::Error::InvalidArgument(problem);
+  }
+  sparse_mla_cpu(*format, params, options);
   return ffi::Error::Success();
 }
 

@@ -1,56 +1,727 @@
+// The C++ CPU kernel: instruction-set detection and dispatch, the per-instruction-set operation sets
+// that kernels/cpu/tile_kernels.h is compiled with, and the driver that runs it on threads.
+//
+// A call runs in phases separated by barriers: (1) each valid token's candidate list is compacted to
+// its valid candidates; then, for waves of tokens whose tiles fit a memory budget, (2) the tiles are
+// dequantized (work items: a token and a block of rows) and (3) each (token, head block) attends to
+// its token's tile and writes its rows of out/lse. Every work item computes the same values whichever
+// thread runs it, and tile boundaries depend only on the format, so results are bitwise independent of
+// the thread count and of the other tokens of the batch.
 #include "sparse_mla_cpu.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
-#include "../common/numeric.h"
-
-namespace jsmla {
-namespace {
-
-constexpr int kHeadsPerWorkItem = 16;
-
-// The two hot loops get an AVX2 clone on x86-64 (picked at load time). Neither clone contracts to FMA
-// and the reduction order is fixed by the eight partial sums, so every clone gives the same bits.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define JSMLA_VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define JSMLA_VECTOR_CLONES
+#if defined(__linux__)
+#include <sched.h>
 #endif
 
-// Eight independent partial sums let the compiler vectorise the reduction.
-JSMLA_VECTOR_CLONES float dot_product(const float* a, const float* b, int n) {
-  float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int k = 0; k < 8; ++k) partial[k] += a[i + k] * b[i + k];
-  }
-  float sum = 0.0f;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  for (float x : partial) sum += x;
-  return sum;
-}
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define JSMLA_CPU_X86 1
+#include <cpuid.h>
+#include <immintrin.h>
+#else
+#define JSMLA_CPU_X86 0
+#endif
 
-// acc[0, n) += weight * v[0, n)
-JSMLA_VECTOR_CLONES void scaled_add(float* acc, float weight, const float* v, int n) {
-  for (int d = 0; d < n; ++d) acc[d] += weight * v[d];
-}
+#include "../common/numeric.h"
+#include "tile_layout.h"
 
-struct Candidate {
-  const CacheView* cache;
-  int64_t slot;
+namespace jsmla {
+namespace cpu {
+namespace {
+
+// ---- Constants shared by every instruction set -----------------------------------------------------
+
+// BF16 bits of the magnitude of each float8_e4m3fn code (the sign bit is OR-ed in separately). Every
+// FP8 value is exact in BF16; the two NaN codes become the quiet NaN 0x7fc0.
+struct Fp8Table {
+  uint16_t magnitude[128];
 };
 
-void collect_candidates(const CandidateList& list, int64_t t, std::vector<Candidate>& out) {
-  if (list.topk == 0) return;
-  const int32_t length = list.row_length(t);
-  for (int32_t j = 0; j < length; ++j) {
-    const int64_t slot = list.slot(t, j);
-    if (slot >= 0) out.push_back({&list.cache, slot});
+constexpr Fp8Table make_fp8_table() {
+  Fp8Table table{};
+  for (int code = 0; code < 128; ++code) {
+    const int exponent = code >> 3;
+    const int mantissa = code & 7;
+    uint16_t bits = 0;
+    if (code == 0x7f) {
+      bits = 0x7fc0;
+    } else if (exponent > 0) {
+      bits = static_cast<uint16_t>(((exponent + 120) << 7) | (mantissa << 4));
+    } else if (mantissa > 0) {  // subnormal mantissa * 2^-9: normalise around its leading bit
+      const int lead = mantissa >= 4 ? 2 : (mantissa >= 2 ? 1 : 0);
+      bits = static_cast<uint16_t>(((lead - 9 + 127) << 7) | ((mantissa - (1 << lead)) << (7 - lead)));
+    }
+    table.magnitude[code] = bits;
+  }
+  return table;
+}
+
+alignas(64) constexpr Fp8Table kFp8 = make_fp8_table();
+static_assert(kFp8.magnitude[0x38] == 0x3f80 && kFp8.magnitude[0x7e] == 0x43e0 && kFp8.magnitude[1] == 0x3b00 &&
+                  kFp8.magnitude[7] == 0x3c60,
+              "FP8 -> BF16 table: 1.0, 448, the smallest subnormal (2^-9) and the largest (7 * 2^-9)");
+
+// e^x for x <= 0: x clamped at kMinArgument (so every result is a normal float), x = n ln2 + r with
+// n = round(x log2 e), e^r by a degree-5 polynomial, then scaled by 2^n. Every instruction set runs
+// these operations in this order.
+constexpr float kMinArgument = -86.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kRoundingShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+constexpr float kLn2High = 0.693359375f;
+constexpr float kLn2Low = -2.12194440e-4f;
+constexpr float kExpPolynomial[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                     4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+static_assert(kMinArgument * kLog2e > -126.0f, "2^n of the clamped argument must be a normal float");
+
+inline uint32_t bits_of(float x) { return float_to_bits(x); }
+inline float float_of(uint32_t bits) { return bits_to_float(bits); }
+
+// ---- Plain C++ --------------------------------------------------------------------------------------
+
+namespace portable {
+
+struct Ops {
+  static constexpr int kLanes = 8;
+  static constexpr int kAccumulators = 8;
+  static constexpr int kMaxHeadVectors = 2;
+  static constexpr int kChunk = 16;
+  struct F {
+    float lane[kLanes];
+  };
+  struct A {  // a BF16 pair split into two floats: the odd (high) and even (low) element
+    F high, low;
+  };
+  using B = A;
+  struct H {
+    uint16_t lane[kChunk];
+  };
+
+  static F zero() { return set1(0.0f); }
+  static F set1(float x) {
+    F r;
+    for (float& lane : r.lane) lane = x;
+    return r;
+  }
+  static F load(const float* p) {
+    F r;
+    std::memcpy(r.lane, p, sizeof(r.lane));
+    return r;
+  }
+  static void store(float* p, const F& x) { std::memcpy(p, x.lane, sizeof(x.lane)); }
+  static F add(const F& a, const F& b) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.lane[i] = a.lane[i] + b.lane[i];
+    return r;
+  }
+  static F sub(const F& a, const F& b) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.lane[i] = a.lane[i] - b.lane[i];
+    return r;
+  }
+  static F mul(const F& a, const F& b) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.lane[i] = a.lane[i] * b.lane[i];
+    return r;
+  }
+  static F max(const F& a, const F& b) {  // a > b ? a : b, as the x86 max instructions
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.lane[i] = a.lane[i] > b.lane[i] ? a.lane[i] : b.lane[i];
+    return r;
+  }
+  static F fma(const F& a, const F& b, const F& c) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.lane[i] = std::fma(a.lane[i], b.lane[i], c.lane[i]);
+    return r;
+  }
+  static float exp_lane(float x) {
+    x = x > kMinArgument ? x : kMinArgument;
+    const float shifted = std::fma(x, kLog2e, kRoundingShift);
+    const float n = shifted - kRoundingShift;
+    float r = std::fma(n, -kLn2High, x);
+    r = std::fma(n, -kLn2Low, r);
+    float y = kExpPolynomial[0];
+    for (int i = 1; i < 6; ++i) y = std::fma(y, r, kExpPolynomial[i]);
+    y = std::fma(y, r * r, r);
+    y = y + 1.0f;
+    const uint32_t exponent = bits_of(shifted) - bits_of(kRoundingShift) + 127u;
+    return y * float_of(exponent << 23);
+  }
+  static F exp_nonpositive(const F& x) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.lane[i] = exp_lane(x.lane[i]);
+    return r;
+  }
+  static uint32_t round_bits(uint32_t bits) {
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return (rounded & 0x7f800000u) == 0 ? rounded & 0x80000000u : rounded;
+  }
+  static F round_bf16(const F& x) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) r.lane[i] = float_of(round_bits(bits_of(x.lane[i])));
+    return r;
+  }
+  static void store_pairs(uint32_t* words, const F& even, const F& odd) {
+    for (int i = 0; i < kLanes; ++i) words[i] = (bits_of(even.lane[i]) >> 16) | (bits_of(odd.lane[i]) & 0xffff0000u);
+  }
+  static A split(uint32_t word) { return {set1(float_of(word & 0xffff0000u)), set1(float_of(word << 16))}; }
+  static A load_a(const uint32_t* words) {
+    A r;
+    for (int i = 0; i < kLanes; ++i) {
+      r.high.lane[i] = float_of(words[i] & 0xffff0000u);
+      r.low.lane[i] = float_of(words[i] << 16);
+    }
+    return r;
+  }
+  static B broadcast_b(const uint32_t* word) { return split(*word); }
+  // The product of two BF16 values is exact in float, so `acc + a * b` rounds once, as a fused step.
+  static F dot(const F& acc, const A& a, const B& b) {
+    F r;
+    for (int i = 0; i < kLanes; ++i) {
+      const float step = acc.lane[i] + a.high.lane[i] * b.high.lane[i];
+      r.lane[i] = step + a.low.lane[i] * b.low.lane[i];
+    }
+    return r;
+  }
+  static uint16_t flush_bf16(uint16_t bits) {
+    return (bits & 0x7f80u) == 0 ? static_cast<uint16_t>(bits & 0x8000u) : bits;
+  }
+  static H zero_h() { return H{}; }
+  static H fp8_to_bf16(const uint8_t* codes) {
+    H r;
+    for (int i = 0; i < kChunk; ++i) {
+      r.lane[i] = static_cast<uint16_t>(kFp8.magnitude[codes[i] & 0x7f] | ((codes[i] & 0x80u) << 8));
+    }
+    return r;
+  }
+  static H load_bf16(const uint8_t* bytes) {
+    H r;
+    for (int i = 0; i < kChunk; ++i) r.lane[i] = flush_bf16(load_u16_le(bytes + 2 * i));
+    return r;
+  }
+  static H scale_bf16(const H& x, float scale) {
+    H r;
+    for (int i = 0; i < kChunk; ++i) {
+      uint32_t bits = bits_of(float_of(static_cast<uint32_t>(x.lane[i]) << 16) * scale);
+      if ((bits & 0x7fffffffu) < 0x00800000u) bits &= 0x80000000u;
+      r.lane[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+    return r;
+  }
+  static void store_bf16(uint16_t* lanes, const H& x) { std::memcpy(lanes, x.lane, sizeof(x.lane)); }
+  static void store_interleaved(uint32_t* words, const H& even, const H& odd) {
+    for (int i = 0; i < kChunk; ++i) words[i] = even.lane[i] | (static_cast<uint32_t>(odd.lane[i]) << 16);
+  }
+};
+
+#include "tile_kernels.h"
+
+}  // namespace portable
+
+// ---- x86-64: AVX2, AVX-512, AVX-512 BF16 ------------------------------------------------------------
+//
+// Each set is compiled inside a region that applies its target to every function defined there; the
+// whole package is built for the baseline CPU, and a set's code only runs where the CPU reports it.
+#if JSMLA_CPU_X86
+#define JSMLA_PRAGMA(text) _Pragma(#text)
+#if defined(__clang__)
+#define JSMLA_BEGIN_TARGET(features) \
+  JSMLA_PRAGMA(clang attribute push(__attribute__((target(features))), apply_to = function))
+#define JSMLA_END_TARGET JSMLA_PRAGMA(clang attribute pop)
+#else
+#define JSMLA_BEGIN_TARGET(features) JSMLA_PRAGMA(GCC push_options) JSMLA_PRAGMA(GCC target(features))
+#define JSMLA_END_TARGET JSMLA_PRAGMA(GCC pop_options)
+#endif
+#define JSMLA_INLINE inline __attribute__((always_inline))
+
+JSMLA_BEGIN_TARGET("avx2,fma")
+namespace avx2 {
+
+struct Ops {
+  static constexpr int kLanes = 8;
+  static constexpr int kAccumulators = 8;
+  static constexpr int kMaxHeadVectors = 2;
+  static constexpr int kChunk = 16;
+  using F = __m256;
+  struct A {
+    __m256 high, low;
+  };
+  using B = A;
+  using H = __m256i;
+
+  static JSMLA_INLINE F zero() { return _mm256_setzero_ps(); }
+  static JSMLA_INLINE F set1(float x) { return _mm256_set1_ps(x); }
+  static JSMLA_INLINE F load(const float* p) { return _mm256_loadu_ps(p); }
+  static JSMLA_INLINE void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static JSMLA_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static JSMLA_INLINE F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static JSMLA_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static JSMLA_INLINE F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static JSMLA_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static JSMLA_INLINE __m256i ints(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static JSMLA_INLINE F exp_nonpositive(F x) {
+    x = _mm256_max_ps(x, set1(kMinArgument));
+    const F shifted = fma(x, set1(kLog2e), set1(kRoundingShift));
+    const F n = sub(shifted, set1(kRoundingShift));
+    F r = fma(n, set1(-kLn2High), x);
+    r = fma(n, set1(-kLn2Low), r);
+    F y = set1(kExpPolynomial[0]);
+    for (int i = 1; i < 6; ++i) y = fma(y, r, set1(kExpPolynomial[i]));
+    y = fma(y, mul(r, r), r);
+    y = add(y, set1(1.0f));
+    const __m256i exponent =
+        _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(shifted), ints(bits_of(kRoundingShift))), ints(127));
+    return mul(y, _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23)));
+  }
+  static JSMLA_INLINE __m256i round_bits(__m256i bits) {
+    const __m256i bias = _mm256_add_epi32(ints(0x7fff), _mm256_and_si256(_mm256_srli_epi32(bits, 16), ints(1)));
+    return _mm256_add_epi32(bits, bias);
+  }
+  static JSMLA_INLINE F round_bf16(F x) {
+    const __m256i rounded = _mm256_and_si256(round_bits(_mm256_castps_si256(x)), ints(0xffff0000u));
+    const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(rounded, ints(0x7f800000u)), _mm256_setzero_si256());
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, _mm256_and_si256(rounded, ints(0x80000000u)), tiny));
+  }
+  static JSMLA_INLINE void store_pairs(uint32_t* words, F even, F odd) {
+    const __m256i packed = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(even), 16),
+                                           _mm256_and_si256(_mm256_castps_si256(odd), ints(0xffff0000u)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words), packed);
+  }
+  static JSMLA_INLINE A load_a(const uint32_t* words) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+    return {_mm256_castsi256_ps(_mm256_and_si256(w, ints(0xffff0000u))), _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+  }
+  static JSMLA_INLINE B broadcast_b(const uint32_t* word) {
+    return {set1(float_of(*word & 0xffff0000u)), set1(float_of(*word << 16))};
+  }
+  static JSMLA_INLINE F dot(F acc, const A& a, const B& b) { return fma(a.low, b.low, fma(a.high, b.high, acc)); }
+  static JSMLA_INLINE H zero_h() { return _mm256_setzero_si256(); }
+  static JSMLA_INLINE __m256i words16(uint16_t x) { return _mm256_set1_epi16(static_cast<short>(x)); }
+  static JSMLA_INLINE H fp8_to_bf16(const uint8_t* codes) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m256i magnitude = _mm256_and_si256(x, words16(0x7f));
+    const __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(magnitude, 4), words16(0x3c00));
+    // Subnormal codes (magnitude < 8) from the table: byte indices (2m, 2m + 1) of word m.
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp8.magnitude)));
+    const __m256i index = _mm256_add_epi16(_mm256_mullo_epi16(magnitude, words16(0x0202)), words16(0x0100));
+    const __m256i subnormal = _mm256_shuffle_epi8(table, index);
+    __m256i r = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi16(words16(8), magnitude));
+    r = _mm256_blendv_epi8(r, words16(0x7fc0), _mm256_cmpeq_epi16(magnitude, words16(0x7f)));
+    return _mm256_or_si256(r, _mm256_slli_epi16(_mm256_and_si256(x, words16(0x80)), 8));
+  }
+  static JSMLA_INLINE H load_bf16(const uint8_t* bytes) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+    const __m256i tiny = _mm256_cmpeq_epi16(_mm256_and_si256(x, words16(0x7f80)), _mm256_setzero_si256());
+    return _mm256_blendv_epi8(x, _mm256_and_si256(x, words16(0x8000)), tiny);
+  }
+  static JSMLA_INLINE __m256i scaled_half(__m128i half, F scale) {
+    const F value = mul(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)), scale);
+    __m256i bits = _mm256_castps_si256(value);
+    const __m256i tiny = _mm256_cmpgt_epi32(ints(0x00800000), _mm256_and_si256(bits, ints(0x7fffffff)));
+    bits = _mm256_blendv_epi8(bits, _mm256_and_si256(bits, ints(0x80000000u)), tiny);
+    return _mm256_srli_epi32(round_bits(bits), 16);
+  }
+  static JSMLA_INLINE H scale_bf16(H x, float scale) {
+    const F s = set1(scale);
+    const __m256i low = scaled_half(_mm256_castsi256_si128(x), s);
+    const __m256i high = scaled_half(_mm256_extracti128_si256(x, 1), s);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xd8);
+  }
+  static JSMLA_INLINE void store_bf16(uint16_t* lanes, H x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), x); }
+  static JSMLA_INLINE void store_interleaved(uint32_t* words, H even, H odd) {
+    const __m256i low = _mm256_unpacklo_epi16(even, odd);
+    const __m256i high = _mm256_unpackhi_epi16(even, odd);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words), _mm256_permute2x128_si256(low, high, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + 8), _mm256_permute2x128_si256(low, high, 0x31));
+  }
+};
+
+#include "tile_kernels.h"
+
+}  // namespace avx2
+JSMLA_END_TARGET
+
+JSMLA_BEGIN_TARGET("avx2,fma,avx512f,avx512bw")
+namespace avx512 {
+
+struct Ops {
+  static constexpr int kLanes = 16;
+  static constexpr int kAccumulators = 16;
+  static constexpr int kMaxHeadVectors = 4;
+  static constexpr int kChunk = 32;
+  using F = __m512;
+  struct A {
+    __m512 high, low;
+  };
+  using B = A;
+  using H = __m512i;
+
+  static JSMLA_INLINE F zero() { return _mm512_setzero_ps(); }
+  static JSMLA_INLINE F set1(float x) { return _mm512_set1_ps(x); }
+  static JSMLA_INLINE F load(const float* p) { return _mm512_loadu_ps(p); }
+  static JSMLA_INLINE void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static JSMLA_INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static JSMLA_INLINE F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static JSMLA_INLINE F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static JSMLA_INLINE F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static JSMLA_INLINE F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static JSMLA_INLINE __m512i ints(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static JSMLA_INLINE F exp_nonpositive(F x) {
+    x = _mm512_max_ps(x, set1(kMinArgument));
+    const F shifted = fma(x, set1(kLog2e), set1(kRoundingShift));
+    const F n = sub(shifted, set1(kRoundingShift));
+    F r = fma(n, set1(-kLn2High), x);
+    r = fma(n, set1(-kLn2Low), r);
+    F y = set1(kExpPolynomial[0]);
+    for (int i = 1; i < 6; ++i) y = fma(y, r, set1(kExpPolynomial[i]));
+    y = fma(y, mul(r, r), r);
+    y = add(y, set1(1.0f));
+    const __m512i exponent =
+        _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(shifted), ints(bits_of(kRoundingShift))), ints(127));
+    return mul(y, _mm512_castsi512_ps(_mm512_slli_epi32(exponent, 23)));
+  }
+  static JSMLA_INLINE __m512i round_bits(__m512i bits) {
+    const __m512i bias = _mm512_add_epi32(ints(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), ints(1)));
+    return _mm512_add_epi32(bits, bias);
+  }
+  static JSMLA_INLINE F round_bf16(F x) {
+    const __m512i rounded = _mm512_and_si512(round_bits(_mm512_castps_si512(x)), ints(0xffff0000u));
+    const __mmask16 tiny = _mm512_testn_epi32_mask(rounded, ints(0x7f800000u));
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, tiny, _mm512_and_si512(rounded, ints(0x80000000u))));
+  }
+  static JSMLA_INLINE void store_pairs(uint32_t* words, F even, F odd) {
+    const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                           _mm512_and_si512(_mm512_castps_si512(odd), ints(0xffff0000u)));
+    _mm512_storeu_si512(words, packed);
+  }
+  static JSMLA_INLINE A load_a(const uint32_t* words) {
+    const __m512i w = _mm512_loadu_si512(words);
+    return {_mm512_castsi512_ps(_mm512_and_si512(w, ints(0xffff0000u))), _mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static JSMLA_INLINE B broadcast_b(const uint32_t* word) {
+    return {set1(float_of(*word & 0xffff0000u)), set1(float_of(*word << 16))};
+  }
+  static JSMLA_INLINE F dot(F acc, const A& a, const B& b) { return fma(a.low, b.low, fma(a.high, b.high, acc)); }
+  static JSMLA_INLINE H zero_h() { return _mm512_setzero_si512(); }
+  static JSMLA_INLINE __m512i words16(uint16_t x) { return _mm512_set1_epi16(static_cast<short>(x)); }
+  static JSMLA_INLINE H fp8_to_bf16(const uint8_t* codes) {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    const __m512i magnitude = _mm512_and_si512(x, words16(0x7f));
+    const uint16_t* table = kFp8.magnitude;
+    const __m512i below_64 = _mm512_permutex2var_epi16(_mm512_loadu_si512(table), magnitude, _mm512_loadu_si512(table + 32));
+    const __m512i from_64 =
+        _mm512_permutex2var_epi16(_mm512_loadu_si512(table + 64), magnitude, _mm512_loadu_si512(table + 96));
+    const __m512i r = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(magnitude, words16(64)), below_64, from_64);
+    return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(x, words16(0x80)), 8));
+  }
+  static JSMLA_INLINE H load_bf16(const uint8_t* bytes) {
+    const __m512i x = _mm512_loadu_si512(bytes);
+    const __mmask32 tiny = _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, words16(0x7f80)), _mm512_setzero_si512());
+    return _mm512_mask_mov_epi16(x, tiny, _mm512_and_si512(x, words16(0x8000)));
+  }
+  static JSMLA_INLINE __m256i scaled_half(__m256i half, F scale) {
+    const F value = mul(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)), scale);
+    __m512i bits = _mm512_castps_si512(value);
+    const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_and_si512(bits, ints(0x7fffffff)), ints(0x00800000));
+    bits = _mm512_mask_mov_epi32(bits, tiny, _mm512_and_si512(bits, ints(0x80000000u)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits(bits), 16));
+  }
+  static JSMLA_INLINE H scale_bf16(H x, float scale) {
+    const F s = set1(scale);
+    const __m256i low = scaled_half(_mm512_castsi512_si256(x), s);
+    const __m256i high = scaled_half(_mm512_extracti64x4_epi64(x, 1), s);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  }
+  static JSMLA_INLINE void store_bf16(uint16_t* lanes, H x) { _mm512_storeu_si512(lanes, x); }
+  static JSMLA_INLINE void store_interleaved(uint32_t* words, H even, H odd) {
+    // Word i of the result holds lane i of `even` (low half) and of `odd` (high half).
+    const __m512i low_lanes = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_lanes = _mm512_add_epi16(low_lanes, words16(16));
+    _mm512_storeu_si512(words, _mm512_permutex2var_epi16(even, low_lanes, odd));
+    _mm512_storeu_si512(words + 16, _mm512_permutex2var_epi16(even, high_lanes, odd));
+  }
+};
+
+#include "tile_kernels.h"
+
+}  // namespace avx512
+JSMLA_END_TARGET
+
+JSMLA_BEGIN_TARGET("avx2,fma,avx512f,avx512bw,avx512bf16")
+namespace avx512_bf16 {
+
+// AVX-512 with the pair products done by VDPBF16PS (acc + odd*odd, then + even*even, each rounded).
+struct Ops : avx512::Ops {
+  using A = __m512bh;
+  using B = __m512bh;
+  static JSMLA_INLINE A load_a(const uint32_t* words) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(words)); }
+  static JSMLA_INLINE B broadcast_b(const uint32_t* word) {
+    return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(*word)));
+  }
+  static JSMLA_INLINE F dot(F acc, A a, B b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
+
+#include "tile_kernels.h"
+
+}  // namespace avx512_bf16
+JSMLA_END_TARGET
+#endif  // JSMLA_CPU_X86
+
+// ---- Dispatch -----------------------------------------------------------------------------------------
+
+struct SupportedSets {
+  bool set[kNumInstructionSets] = {true, false, false, false};
+};
+
+SupportedSets detect_instruction_sets() {
+  SupportedSets supported;
+#if JSMLA_CPU_X86
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return supported;
+  const bool fma = ecx & (1u << 12);
+  const bool os_saves_state = (ecx & (1u << 27)) && (ecx & (1u << 28));  // OSXSAVE and AVX
+  if (!os_saves_state) return supported;
+  uint32_t xcr0_low = 0, xcr0_high = 0;
+  __asm__("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+  const bool ymm_state = (xcr0_low & 0x6u) == 0x6u;     // SSE and AVX registers
+  const bool zmm_state = (xcr0_low & 0xe6u) == 0xe6u;   // plus the AVX-512 mask and upper registers
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return supported;
+  const unsigned max_subleaf = eax;
+  const bool avx2 = ebx & (1u << 5);
+  const bool avx512 = (ebx & (1u << 16)) && (ebx & (1u << 30));  // F and BW
+  bool bf16 = false;
+  if (max_subleaf >= 1 && __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) bf16 = eax & (1u << 5);
+  supported.set[static_cast<int>(InstructionSet::kAvx2)] = ymm_state && avx2 && fma;
+  supported.set[static_cast<int>(InstructionSet::kAvx512)] = ymm_state && zmm_state && avx2 && fma && avx512;
+  supported.set[static_cast<int>(InstructionSet::kAvx512Bf16)] =
+      supported.set[static_cast<int>(InstructionSet::kAvx512)] && bf16;
+#endif
+  return supported;
+}
+
+const SupportedSets& supported_sets() {
+  static const SupportedSets supported = detect_instruction_sets();
+  return supported;
+}
+
+const TileKernels& tile_kernels(InstructionSet set) {
+  static constexpr TileKernels kPortable{portable::dequantize, portable::start, portable::add_tile};
+#if JSMLA_CPU_X86
+  static constexpr TileKernels kAvx2{avx2::dequantize, avx2::start, avx2::add_tile};
+  static constexpr TileKernels kAvx512{avx512::dequantize, avx512::start, avx512::add_tile};
+  static constexpr TileKernels kAvx512Bf16{avx512_bf16::dequantize, avx512_bf16::start, avx512_bf16::add_tile};
+  switch (set) {
+    case InstructionSet::kAvx2:
+      return kAvx2;
+    case InstructionSet::kAvx512:
+      return kAvx512;
+    case InstructionSet::kAvx512Bf16:
+      return kAvx512Bf16;
+    case InstructionSet::kPortable:
+      break;
+  }
+#endif
+  return kPortable;
+}
+
+// ---- Threads ------------------------------------------------------------------------------------------
+
+int usable_cores() {
+#if defined(__linux__)
+  cpu_set_t mask;
+  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) return std::max(1, CPU_COUNT(&mask));
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// All threads of a call wait here between phases.
+class Barrier {
+ public:
+  explicit Barrier(int count) : count_(count) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int64_t generation = generation_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++generation_;
+      lock.unlock();
+      wake_.notify_all();
+      return;
+    }
+    wake_.wait(lock, [&] { return generation_ != generation; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  const int count_;
+  int arrived_ = 0;
+  int64_t generation_ = 0;
+};
+
+// Memory for one call, reused by later calls so that a call does not page-fault fresh memory.
+class WorkspacePool {
+ public:
+  struct Block {
+    std::unique_ptr<uint8_t[]> bytes;
+    size_t size = 0;
+    uint8_t* aligned() const { return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bytes.get()) + 63) & ~uintptr_t{63}); }
+  };
+
+  Block acquire(size_t size) {
+    Block block;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!free_.empty()) {
+        block = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (block.size < size) {
+      block.bytes.reset(new uint8_t[size + 64]);
+      block.size = size;
+    }
+    return block;
+  }
+
+  void release(Block block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    free_.push_back(std::move(block));
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<Block> free_;
+};
+
+WorkspacePool& workspace_pool() {
+  static WorkspacePool* pool = new WorkspacePool();  // never destroyed: calls may run during exit
+  return *pool;
+}
+
+// ---- The driver ---------------------------------------------------------------------------------------
+
+// Tiles shared by several head blocks are dequantized in waves of tokens whose tiles take at most this
+// many bytes (so they stay in the last-level cache), or as many tokens as keep every thread busy.
+constexpr int64_t kWaveBytes = 4 << 20;
+// Candidate rows per dequantization work item.
+constexpr int64_t kDequantizeRows = 128;
+// Without an explicit thread count, a thread is added per this many multiply-adds of work.
+constexpr double kMultiplyAddsPerThread = 1 << 23;
+
+constexpr int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+struct HeadBlock {
+  int first;
+  int size;   // real heads
+  int width;  // 16, 32 or 64 lanes
+};
+
+std::vector<HeadBlock> head_blocks(int num_heads) {
+  std::vector<HeadBlock> blocks;
+  for (int first = 0; first < num_heads;) {
+    const int remaining = num_heads - first;
+    const int width = remaining > 32 ? kMaxHeadBlock : (remaining > 16 ? 32 : 16);
+    const int size = std::min(width, remaining);
+    blocks.push_back({first, size, width});
+    first += size;
+  }
+  return blocks;
+}
+
+// Byte offsets of a tile of `capacity` candidate rows.
+struct TileGeometry {
+  int64_t padded_rows = 0;
+  int64_t v_offset = 0, scale_offset = 0, bytes = 0;
+};
+
+TileGeometry tile_geometry(const FormatTraits& f, int64_t capacity) {
+  TileGeometry g;
+  g.padded_rows = round_up(std::max<int64_t>(capacity, 1), kRowGranule);
+  g.v_offset = round_up(g.padded_rows * f.d_qk * 2, 64);
+  g.scale_offset = g.v_offset + round_up(g.padded_rows / 2 * f.d_v * 4, 64);
+  const int64_t scale_bytes = f.scale_kind == ScaleKind::kFp32 ? g.padded_rows * num_segments(f) * 4 : 0;
+  g.bytes = g.scale_offset + round_up(scale_bytes, 64);
+  return g;
+}
+
+TokenTile tile_at(const FormatTraits& f, const TileGeometry& g, uint8_t* at, int64_t rows) {
+  TokenTile tile;
+  tile.k_pairs = reinterpret_cast<uint32_t*>(at);
+  tile.v_pairs = reinterpret_cast<uint32_t*>(at + g.v_offset);
+  tile.scales = f.scale_kind == ScaleKind::kFp32 ? reinterpret_cast<float*>(at + g.scale_offset) : nullptr;
+  tile.rows = rows;
+  tile.padded_rows = round_up(std::max<int64_t>(rows, 1), kRowGranule);
+  return tile;
+}
+
+// Per-thread memory: the attention scratch and state of one head block, plus (when the thread
+// dequantizes its own tiles) one candidate tile and the token's compacted candidates.
+struct ScratchGeometry {
+  int64_t scores_offset = 0, probabilities_offset = 0, vectors_offset = 0, output_offset = 0;
+  int64_t tile_offset = 0, candidates_offset = 0, bytes = 0;
+};
+
+ScratchGeometry scratch_geometry(const FormatTraits& f, const TileGeometry& own_tile, int64_t max_candidates) {
+  const int64_t tile_rows = candidates_per_tile(f);
+  ScratchGeometry g;
+  g.scores_offset = round_up(int64_t{f.d_qk} / 2 * kMaxHeadBlock * 4, 64);
+  g.probabilities_offset = g.scores_offset + tile_rows * kMaxHeadBlock * 4;
+  g.vectors_offset = g.probabilities_offset + tile_rows / 2 * kMaxHeadBlock * 4;
+  g.output_offset = g.vectors_offset + 3 * kMaxHeadBlock * 4;
+  g.tile_offset = g.output_offset + int64_t{f.d_v} * kMaxHeadBlock * 4;
+  g.candidates_offset = g.tile_offset + own_tile.bytes;
+  g.bytes = g.candidates_offset + round_up(max_candidates * static_cast<int64_t>(sizeof(CandidateRef)), 64);
+  return g;
+}
+
+// The valid candidates of row t, main list first: returns their number.
+int64_t compact_candidates(const AttentionParams& p, int64_t t, CandidateRef* out) {
+  int64_t n = 0;
+  const CandidateList* lists[2] = {&p.main, &p.extra};
+  for (int32_t list = 0; list < 2; ++list) {
+    if (lists[list]->topk == 0) continue;
+    const int32_t length = lists[list]->row_length(t);
+    for (int32_t j = 0; j < length; ++j) {
+      const int64_t slot = lists[list]->slot(t, j);
+      if (slot >= 0) out[n++] = {static_cast<int32_t>(slot), list};
+    }
+  }
+  return n;
+}
+
+inline uint32_t flush_pair(uint32_t word) {
+  uint32_t result = word;
+  if ((word & 0x7f80u) == 0) result &= ~uint32_t{0x7fff};
+  if ((word & 0x7f800000u) == 0) result &= ~uint32_t{0x7fff0000};
+  return result;
+}
+
+// q pairs of one head block, [d_qk / 2][width], zero past the block's real heads.
+void pack_queries(const FormatTraits& f, const AttentionParams& p, int64_t t, const HeadBlock& block, uint32_t* out) {
+  const int64_t pairs = f.d_qk / 2;
+  for (int lane = 0; lane < block.width; ++lane) {
+    if (lane >= block.size) {
+      for (int64_t i = 0; i < pairs; ++i) out[i * block.width + lane] = 0;
+      continue;
+    }
+    const uint16_t* q = p.q + (t * p.num_heads + block.first + lane) * static_cast<int64_t>(f.d_qk);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const uint32_t word = static_cast<uint32_t>(q[2 * i]) | (static_cast<uint32_t>(q[2 * i + 1]) << 16);
+      out[i * block.width + lane] = flush_pair(word);
+    }
   }
 }
 
@@ -60,81 +731,252 @@ void write_empty(const FormatTraits& f, const AttentionParams& p, int64_t t, int
   p.lse[t * p.num_heads + h] = lse;
 }
 
-// Per-thread scratch, reused across work items.
-struct Scratch {
-  std::vector<Candidate> candidates;
-  std::vector<float> keys;         // [n, d_qk] dequantized candidate rows
-  std::vector<float> queries;      // [heads, d_qk]
-  std::vector<float> scores;       // [heads, n], then softmax weights
-  std::vector<float> accumulator;  // [heads, d_v]
-};
-
-// One work item: heads [h0, h1) of token t. Loops run candidate-major so each dequantized row is read
-// once per pass while the block's queries and accumulators stay in cache.
-void attend(const FormatTraits& f, const AttentionParams& p, int64_t t, int h0, int h1, Scratch& s) {
-  constexpr float kInf = std::numeric_limits<float>::infinity();
-  s.candidates.clear();
-  collect_candidates(p.main, t, s.candidates);
-  collect_candidates(p.extra, t, s.candidates);
-  const int64_t n = static_cast<int64_t>(s.candidates.size());
-  const int d_qk = f.d_qk;
-  const int d_v = f.d_v;
-  const int heads = h1 - h0;
-  s.keys.resize(static_cast<size_t>(n) * d_qk);
-  for (int64_t j = 0; j < n; ++j) {
-    dequantize_row(f, *s.candidates[j].cache, s.candidates[j].slot, s.keys.data() + j * d_qk);
-  }
-  s.queries.resize(static_cast<size_t>(heads) * d_qk);
-  for (int h = 0; h < heads; ++h) {
-    const uint16_t* q = p.q + (t * p.num_heads + h0 + h) * static_cast<int64_t>(d_qk);
-    for (int d = 0; d < d_qk; ++d) s.queries[h * d_qk + d] = bf16_to_float(q[d]);
-  }
-  s.scores.resize(static_cast<size_t>(heads) * n);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* k = s.keys.data() + j * d_qk;
-    for (int h = 0; h < heads; ++h) s.scores[h * n + j] = p.sm_scale * dot_product(&s.queries[h * d_qk], k, d_qk);
-  }
-
-  // Softmax per head (lse includes the sink); scores become weights exp(s - lse).
-  float lse[kHeadsPerWorkItem];
-  bool empty[kHeadsPerWorkItem];
-  for (int h = 0; h < heads; ++h) {
-    const float sink = p.attn_sink != nullptr ? p.attn_sink[h0 + h] : -kInf;
-    float* row = &s.scores[h * n];
-    float max_score = sink;
-    for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, row[j]);
-    empty[h] = sink == kInf || max_score == -kInf;
-    if (empty[h]) {  // an infinite sink, or no valid candidate and no sink
-      lse[h] = sink == kInf ? kInf : -kInf;
+// Normalises one head block's state (sink included) into its rows of out and lse; `job` is null when
+// the row has no valid candidate.
+void finish_heads(const FormatTraits& f, const AttentionParams& p, int64_t t, const HeadBlock& block,
+                  const AttendJob* job) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  for (int lane = 0; lane < block.size; ++lane) {
+    const int h = block.first + lane;
+    const double sink = p.attn_sink != nullptr ? p.attn_sink[h] : -kInf;
+    if (job == nullptr || sink == kInf) {  // lse is the sink (-inf without one), out is zero
+      write_empty(f, p, t, h, static_cast<float>(sink));
       continue;
     }
-    double total = sink == -kInf ? 0.0 : std::exp(static_cast<double>(sink) - max_score);
-    for (int64_t j = 0; j < n; ++j) total += std::exp(static_cast<double>(row[j]) - max_score);
-    const double row_lse = max_score + std::log(total);
-    for (int64_t j = 0; j < n; ++j) row[j] = static_cast<float>(std::exp(static_cast<double>(row[j]) - row_lse));
-    lse[h] = static_cast<float>(row_lse);
-  }
-
-  s.accumulator.assign(static_cast<size_t>(heads) * d_v, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* v = s.keys.data() + j * d_qk;
-    for (int h = 0; h < heads; ++h) {
-      if (empty[h]) continue;
-      scaled_add(&s.accumulator[h * d_v], s.scores[h * n + j], v, d_v);
-    }
-  }
-  for (int h = 0; h < heads; ++h) {
-    if (empty[h]) {
-      write_empty(f, p, t, h0 + h, lse[h]);
-      continue;
-    }
-    uint16_t* out = p.out + (t * p.num_heads + h0 + h) * static_cast<int64_t>(d_v);
-    for (int d = 0; d < d_v; ++d) out[d] = float_to_bf16(s.accumulator[h * d_v + d]);
-    p.lse[t * p.num_heads + h0 + h] = lse[h];
+    const double row_max = job->row_max[lane];
+    const double top = std::max(row_max, sink);
+    const double kept = std::exp(row_max - top);
+    double total = job->row_sum[lane] * kept;
+    if (sink > -kInf) total += std::exp(sink - top);
+    p.lse[t * p.num_heads + h] = static_cast<float>(top + std::log(total));
+    const float factor = static_cast<float>(kept / total);
+    uint16_t* out = p.out + (t * p.num_heads + h) * static_cast<int64_t>(f.d_v);
+    for (int d = 0; d < f.d_v; ++d) out[d] = float_to_bf16(job->output[int64_t{d} * block.width + lane] * factor);
   }
 }
 
+// Everything one call needs, shared by its threads.
+struct Call {
+  const FormatTraits& f;
+  const AttentionParams& p;
+  const TileKernels& kernels;
+  int64_t valid;
+  int64_t max_candidates;
+  std::vector<HeadBlock> blocks;
+  ScratchGeometry scratch;
+  TileGeometry own_tile;
+
+  // Attention of one head block of token t over its `count` candidates. The tile is `shared` (already
+  // dequantized) or, when null, dequantized here one candidate tile at a time into the thread's tile.
+  void attend(int64_t t, const HeadBlock& block, const CandidateRef* candidates, int64_t count,
+              const TokenTile* shared, uint8_t* thread_memory) const {
+    if (count == 0) {
+      finish_heads(f, p, t, block, nullptr);
+      return;
+    }
+    AttendJob job;
+    job.format = &f;
+    auto* q_pairs = reinterpret_cast<uint32_t*>(thread_memory);
+    pack_queries(f, p, t, block, q_pairs);
+    job.q_pairs = q_pairs;
+    job.head_block = block.width;
+    job.sm_scale = p.sm_scale;
+    job.scores = reinterpret_cast<float*>(thread_memory + scratch.scores_offset);
+    job.probabilities = reinterpret_cast<uint32_t*>(thread_memory + scratch.probabilities_offset);
+    auto* vectors = reinterpret_cast<float*>(thread_memory + scratch.vectors_offset);
+    job.alpha = vectors;
+    job.row_max = vectors + kMaxHeadBlock;
+    job.row_sum = vectors + 2 * kMaxHeadBlock;
+    job.output = reinterpret_cast<float*>(thread_memory + scratch.output_offset);
+    kernels.start(job);
+    const TokenTile own = tile_at(f, own_tile, thread_memory + scratch.tile_offset, 0);
+    const int64_t row_words = f.d_qk / 2;
+    const int64_t tile_rows = candidates_per_tile(f);
+    for (int64_t row0 = 0; row0 < count; row0 += tile_rows) {
+      job.rows = std::min(tile_rows, count - row0);
+      if (shared != nullptr) {
+        job.k_pairs = shared->k_pairs + row0 * row_words;
+        job.v_pairs = shared->v_pairs + row0 / 2 * f.d_v;
+        job.scales = shared->scales != nullptr ? shared->scales + row0 * num_segments(f) : nullptr;
+      } else {
+        dequantize(candidates + row0, job.rows, 0, round_up(job.rows, kRowGranule), own);
+        job.k_pairs = own.k_pairs;
+        job.v_pairs = own.v_pairs;
+        job.scales = own.scales;
+      }
+      kernels.add_tile(job, row0 == 0);
+    }
+    finish_heads(f, p, t, block, &job);
+  }
+
+  void dequantize(const CandidateRef* candidates, int64_t count, int64_t begin, int64_t end,
+                  const TokenTile& tile) const {
+    DequantizeJob job;
+    job.format = &f;
+    job.caches[0] = &p.main.cache;
+    job.caches[1] = &p.extra.cache;
+    job.candidates = candidates;
+    job.count = count;
+    job.begin = begin;
+    job.end = end;
+    job.sm_scale = p.sm_scale;
+    job.tile = tile;
+    kernels.dequantize(job);
+  }
+
+  void write_empty_row(int64_t t) const {
+    for (int h = 0; h < p.num_heads; ++h) write_empty(f, p, t, h, -std::numeric_limits<float>::infinity());
+  }
+};
+
+// Runs `phases` (each: item count and work(item, thread_index)) on `num_threads` threads, the caller
+// included, with a barrier after each phase.
+template <typename Phases>
+void run_phases(int num_threads, int64_t num_phases, const Phases& phases) {
+  std::unique_ptr<std::atomic<int64_t>[]> next_item(new std::atomic<int64_t>[num_phases]);
+  for (int64_t i = 0; i < num_phases; ++i) next_item[i].store(0, std::memory_order_relaxed);
+  Barrier barrier(num_threads);
+  auto worker = [&](int thread_index) {
+    for (int64_t phase = 0; phase < num_phases; ++phase) {
+      const int64_t items = phases.items(phase);
+      for (int64_t item = next_item[phase].fetch_add(1); item < items; item = next_item[phase].fetch_add(1)) {
+        phases.run(phase, item, thread_index);
+      }
+      if (phase + 1 < num_phases) barrier.arrive_and_wait();
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(num_threads - 1);
+  for (int i = 1; i < num_threads; ++i) threads.emplace_back(worker, i);
+  worker(0);
+  for (auto& thread : threads) thread.join();
+}
+
+// One head block per token: each item is a token, whose thread compacts its candidates and
+// dequantizes each candidate tile just before attending to it (the tile stays in the core's cache).
+struct PerTokenPhases {
+  const Call& call;
+  uint8_t* thread_memory;
+  int64_t items(int64_t) const { return call.p.num_tokens; }
+  void run(int64_t, int64_t t, int thread_index) const {
+    if (t >= call.valid) {
+      call.write_empty_row(t);
+      return;
+    }
+    uint8_t* memory = thread_memory + thread_index * call.scratch.bytes;
+    auto* candidates = reinterpret_cast<CandidateRef*>(memory + call.scratch.candidates_offset);
+    const int64_t count = compact_candidates(call.p, t, candidates);
+    call.attend(t, call.blocks[0], candidates, count, nullptr, memory);
+  }
+};
+
+// Several head blocks per token: phase 0 compacts every token's candidates; then, per wave of
+// tokens, one phase dequantizes their tiles (items: a token and kDequantizeRows rows) and the next
+// attends to them (items: a token and a head block).
+struct SharedTilePhases {
+  const Call& call;
+  uint8_t* thread_memory;
+  CandidateRef* candidates;  // [T][max_candidates]
+  int64_t* counts;           // [T]
+  uint8_t* wave_memory;
+  TileGeometry tile;
+  int64_t wave_tokens;
+  int64_t chunks_per_token;
+
+  int64_t wave_size(int64_t wave) const { return std::min(wave_tokens, call.valid - wave * wave_tokens); }
+  TokenTile token_tile(int64_t t) const {
+    return tile_at(call.f, tile, wave_memory + (t % wave_tokens) * tile.bytes, counts[t]);
+  }
+  int64_t items(int64_t phase) const {
+    if (phase == 0) return call.p.num_tokens;
+    const int64_t wave = (phase - 1) / 2;
+    return wave_size(wave) * (phase % 2 == 1 ? chunks_per_token : static_cast<int64_t>(call.blocks.size()));
+  }
+  void run(int64_t phase, int64_t item, int thread_index) const {
+    if (phase == 0) {
+      if (item >= call.valid) {
+        call.write_empty_row(item);
+      } else {
+        counts[item] = compact_candidates(call.p, item, candidates + item * call.max_candidates);
+      }
+      return;
+    }
+    const int64_t first = (phase - 1) / 2 * wave_tokens;
+    if (phase % 2 == 1) {
+      const int64_t t = first + item / chunks_per_token;
+      const TokenTile token = token_tile(t);
+      const int64_t begin = item % chunks_per_token * kDequantizeRows;
+      if (counts[t] == 0 || begin >= token.padded_rows) return;
+      call.dequantize(candidates + t * call.max_candidates, counts[t], begin,
+                      std::min(begin + kDequantizeRows, token.padded_rows), token);
+      return;
+    }
+    const int64_t blocks = static_cast<int64_t>(call.blocks.size());
+    const int64_t t = first + item / blocks;
+    const TokenTile token = token_tile(t);
+    call.attend(t, call.blocks[item % blocks], nullptr, counts[t], &token,
+                thread_memory + thread_index * call.scratch.bytes);
+  }
+};
+
 }  // namespace
+}  // namespace cpu
+
+const char* instruction_set_name(InstructionSet set) {
+  switch (set) {
+    case InstructionSet::kAvx2:
+      return "avx2";
+    case InstructionSet::kAvx512:
+      return "avx512";
+    case InstructionSet::kAvx512Bf16:
+      return "avx512_bf16";
+    case InstructionSet::kPortable:
+      break;
+  }
+  return "portable";
+}
+
+bool instruction_set_supported(InstructionSet set) {
+  const int index = static_cast<int>(set);
+  return index >= 0 && index < kNumInstructionSets && cpu::supported_sets().set[index];
+}
+
+InstructionSet best_instruction_set() {
+  for (int i = kNumInstructionSets - 1; i > 0; --i) {
+    if (cpu::supported_sets().set[i]) return static_cast<InstructionSet>(i);
+  }
+  return InstructionSet::kPortable;
+}
+
+std::string cpu_kernel_options_from_environment(CpuKernelOptions* options) {
+  if (const char* text = std::getenv("JSMLA_CPU_THREADS"); text != nullptr && *text != '\0') {
+    char* end = nullptr;
+    const long threads = std::strtol(text, &end, 10);
+    if (*end != '\0' || threads < 1 || threads > 4096) {
+      return std::string("JSMLA_CPU_THREADS: expected a thread count in [1, 4096], got '") + text + "'";
+    }
+    options->num_threads = static_cast<int>(threads);
+  }
+  if (const char* text = std::getenv("JSMLA_CPU_ISA"); text != nullptr && *text != '\0' &&
+                                                        std::strcmp(text, "auto") != 0) {
+    std::string supported;
+    for (int i = 0; i < kNumInstructionSets; ++i) {
+      const auto set = static_cast<InstructionSet>(i);
+      if (instruction_set_supported(set)) supported += std::string(supported.empty() ? "" : ", ") + instruction_set_name(set);
+    }
+    for (int i = 0; i < kNumInstructionSets; ++i) {
+      const auto set = static_cast<InstructionSet>(i);
+      if (std::strcmp(text, instruction_set_name(set)) != 0) continue;
+      if (!instruction_set_supported(set)) {
+        return std::string("JSMLA_CPU_ISA: '") + text + "' is not supported by this CPU (supported: " + supported + ")";
+      }
+      options->instruction_set = set;
+      return "";
+    }
+    return std::string("JSMLA_CPU_ISA: expected auto, portable, avx2, avx512 or avx512_bf16, got '") + text + "'";
+  }
+  return "";
+}
 
 void dequantize_row(const FormatTraits& f, const CacheView& cache, int64_t slot, float* out) {
   const uint8_t* row = cache.data_row(slot);
@@ -151,36 +993,59 @@ void dequantize_row(const FormatTraits& f, const CacheView& cache, int64_t slot,
   for (int i = 0; i < f.bf16_dim; ++i) out[f.fp8_dim + i] = bf16_to_float(load_u16_le(bf16 + 2 * i));
 }
 
-void sparse_mla_cpu(const FormatTraits& f, const AttentionParams& p, int num_threads) {
+void sparse_mla_cpu(const FormatTraits& f, const AttentionParams& p, const CpuKernelOptions& options) {
+  using namespace cpu;
   if (p.num_tokens == 0 || p.num_heads == 0) return;
-  int64_t valid = p.num_tokens;
-  if (p.valid_tokens != nullptr) valid = std::clamp<int64_t>(p.valid_tokens[0], 0, p.num_tokens);
-  for (int64_t t = valid; t < p.num_tokens; ++t) {
-    for (int h = 0; h < p.num_heads; ++h) {
-      write_empty(f, p, t, h, -std::numeric_limits<float>::infinity());
-    }
-  }
-  const int head_blocks = (p.num_heads + kHeadsPerWorkItem - 1) / kHeadsPerWorkItem;
-  const int64_t work_items = valid * head_blocks;
-  if (work_items == 0) return;
-  if (num_threads <= 0) num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  num_threads = static_cast<int>(std::min<int64_t>(num_threads, work_items));
-
-  std::atomic<int64_t> next{0};
-  auto worker = [&]() {
-    Scratch scratch;
-    for (int64_t item = next.fetch_add(1); item < work_items; item = next.fetch_add(1)) {
-      const int64_t t = item / head_blocks;
-      const int h0 = static_cast<int>(item % head_blocks) * kHeadsPerWorkItem;
-      const int h1 = std::min(h0 + kHeadsPerWorkItem, p.num_heads);
-      attend(f, p, t, h0, h1, scratch);
-    }
+  auto list_capacity = [](const CandidateList& list) -> int64_t {
+    return list.max_candidates > 0 ? std::min(list.topk, list.max_candidates) : list.topk;
   };
-  std::vector<std::thread> threads;
-  threads.reserve(num_threads - 1);
-  for (int i = 1; i < num_threads; ++i) threads.emplace_back(worker);
-  worker();
-  for (auto& thread : threads) thread.join();
+  const int64_t max_candidates = list_capacity(p.main) + list_capacity(p.extra);
+  const int64_t valid = p.valid_tokens != nullptr ? std::clamp<int64_t>(p.valid_tokens[0], 0, p.num_tokens)
+                                                  : p.num_tokens;
+  const TileGeometry token_tile = tile_geometry(f, max_candidates);
+  const TileGeometry own_tile = tile_geometry(f, candidates_per_tile(f));
+  Call call{f, p, tile_kernels(options.instruction_set), valid, max_candidates, head_blocks(p.num_heads),
+            scratch_geometry(f, own_tile, max_candidates), own_tile};
+  const int64_t num_blocks = static_cast<int64_t>(call.blocks.size());
+  const int64_t chunks_per_token = (token_tile.padded_rows + kDequantizeRows - 1) / kDequantizeRows;
+
+  int num_threads = options.num_threads;
+  if (num_threads <= 0) {
+    const double multiply_adds = static_cast<double>(valid) * p.num_heads * max_candidates * (f.d_qk + f.d_v);
+    num_threads = static_cast<int>(std::clamp<double>(multiply_adds / kMultiplyAddsPerThread, 1.0, usable_cores()));
+  }
+  const int64_t most_items = num_blocks == 1 ? p.num_tokens
+                                             : std::max({p.num_tokens, valid * chunks_per_token, valid * num_blocks});
+  num_threads = static_cast<int>(std::clamp<int64_t>(num_threads, 1, most_items));
+
+  const int64_t scratch_bytes = num_threads * call.scratch.bytes;
+  if (num_blocks == 1) {
+    WorkspacePool::Block block = workspace_pool().acquire(static_cast<size_t>(scratch_bytes));
+    run_phases(num_threads, 1, PerTokenPhases{call, block.aligned()});
+    workspace_pool().release(std::move(block));
+    return;
+  }
+  const int64_t threads_per_block = (num_threads + num_blocks - 1) / num_blocks;
+  const int64_t wave_tokens =
+      std::clamp<int64_t>(std::max(kWaveBytes / token_tile.bytes, threads_per_block), 1, std::max<int64_t>(valid, 1));
+  const int64_t num_waves = (valid + wave_tokens - 1) / wave_tokens;
+  const int64_t candidates_bytes =
+      round_up(p.num_tokens * std::max<int64_t>(max_candidates, 1) * static_cast<int64_t>(sizeof(CandidateRef)), 64);
+  const int64_t counts_bytes = round_up(p.num_tokens * static_cast<int64_t>(sizeof(int64_t)), 64);
+  const int64_t wave_bytes = wave_tokens * token_tile.bytes;
+  WorkspacePool::Block block =
+      workspace_pool().acquire(static_cast<size_t>(scratch_bytes + candidates_bytes + counts_bytes + wave_bytes));
+  uint8_t* base = block.aligned();
+  const SharedTilePhases phases{call,
+                                base,
+                                reinterpret_cast<CandidateRef*>(base + scratch_bytes),
+                                reinterpret_cast<int64_t*>(base + scratch_bytes + candidates_bytes),
+                                base + scratch_bytes + candidates_bytes + counts_bytes,
+                                token_tile,
+                                wave_tokens,
+                                chunks_per_token};
+  run_phases(num_threads, 1 + 2 * num_waves, phases);
+  workspace_pool().release(std::move(block));
 }
 
 }  // namespace jsmla
