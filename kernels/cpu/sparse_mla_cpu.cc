@@ -163,10 +163,7 @@ struct Ops {
     for (int i = 0; i < kLanes; ++i) r.lane[i] = exp_lane(x.lane[i]);
     return r;
   }
-  static uint32_t round_bits(uint32_t bits) {
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    return (rounded & 0x7f800000u) == 0 ? rounded & 0x80000000u : rounded;
-  }
+  static uint32_t round_bits(uint32_t bits) { return (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u; }
   static F round_bf16(const F& x) {
     F r;
     for (int i = 0; i < kLanes; ++i) r.lane[i] = float_of(round_bits(bits_of(x.lane[i])));
@@ -194,9 +191,6 @@ struct Ops {
     }
     return r;
   }
-  static uint16_t flush_bf16(uint16_t bits) {
-    return (bits & 0x7f80u) == 0 ? static_cast<uint16_t>(bits & 0x8000u) : bits;
-  }
   static H zero_h() { return H{}; }
   static H fp8_to_bf16(const uint8_t* codes) {
     H r;
@@ -207,14 +201,13 @@ struct Ops {
   }
   static H load_bf16(const uint8_t* bytes) {
     H r;
-    for (int i = 0; i < kChunk; ++i) r.lane[i] = flush_bf16(load_u16_le(bytes + 2 * i));
+    for (int i = 0; i < kChunk; ++i) r.lane[i] = load_u16_le(bytes + 2 * i);
     return r;
   }
   static H scale_bf16(const H& x, float scale) {
     H r;
     for (int i = 0; i < kChunk; ++i) {
-      uint32_t bits = bits_of(float_of(static_cast<uint32_t>(x.lane[i]) << 16) * scale);
-      if ((bits & 0x7fffffffu) < 0x00800000u) bits &= 0x80000000u;
+      const uint32_t bits = bits_of(float_of(static_cast<uint32_t>(x.lane[i]) << 16) * scale);
       r.lane[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
     }
     return r;
@@ -289,9 +282,7 @@ struct Ops {
     return _mm256_add_epi32(bits, bias);
   }
   static JSMLA_INLINE F round_bf16(F x) {
-    const __m256i rounded = _mm256_and_si256(round_bits(_mm256_castps_si256(x)), ints(0xffff0000u));
-    const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(rounded, ints(0x7f800000u)), _mm256_setzero_si256());
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, _mm256_and_si256(rounded, ints(0x80000000u)), tiny));
+    return _mm256_castsi256_ps(_mm256_and_si256(round_bits(_mm256_castps_si256(x)), ints(0xffff0000u)));
   }
   static JSMLA_INLINE void store_pairs(uint32_t* words, F even, F odd) {
     const __m256i packed = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(even), 16),
@@ -321,16 +312,11 @@ struct Ops {
     return _mm256_or_si256(r, _mm256_slli_epi16(_mm256_and_si256(x, words16(0x80)), 8));
   }
   static JSMLA_INLINE H load_bf16(const uint8_t* bytes) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
-    const __m256i tiny = _mm256_cmpeq_epi16(_mm256_and_si256(x, words16(0x7f80)), _mm256_setzero_si256());
-    return _mm256_blendv_epi8(x, _mm256_and_si256(x, words16(0x8000)), tiny);
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   }
   static JSMLA_INLINE __m256i scaled_half(__m128i half, F scale) {
     const F value = mul(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)), scale);
-    __m256i bits = _mm256_castps_si256(value);
-    const __m256i tiny = _mm256_cmpgt_epi32(ints(0x00800000), _mm256_and_si256(bits, ints(0x7fffffff)));
-    bits = _mm256_blendv_epi8(bits, _mm256_and_si256(bits, ints(0x80000000u)), tiny);
-    return _mm256_srli_epi32(round_bits(bits), 16);
+    return _mm256_srli_epi32(round_bits(_mm256_castps_si256(value)), 16);
   }
   static JSMLA_INLINE H scale_bf16(H x, float scale) {
     const F s = set1(scale);
@@ -396,9 +382,7 @@ struct Ops {
     return _mm512_add_epi32(bits, bias);
   }
   static JSMLA_INLINE F round_bf16(F x) {
-    const __m512i rounded = _mm512_and_si512(round_bits(_mm512_castps_si512(x)), ints(0xffff0000u));
-    const __mmask16 tiny = _mm512_testn_epi32_mask(rounded, ints(0x7f800000u));
-    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, tiny, _mm512_and_si512(rounded, ints(0x80000000u))));
+    return _mm512_castsi512_ps(_mm512_and_si512(round_bits(_mm512_castps_si512(x)), ints(0xffff0000u)));
   }
   static JSMLA_INLINE void store_pairs(uint32_t* words, F even, F odd) {
     const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
@@ -425,17 +409,10 @@ struct Ops {
     const __m512i r = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(magnitude, words16(64)), below_64, from_64);
     return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(x, words16(0x80)), 8));
   }
-  static JSMLA_INLINE H load_bf16(const uint8_t* bytes) {
-    const __m512i x = _mm512_loadu_si512(bytes);
-    const __mmask32 tiny = _mm512_cmpeq_epi16_mask(_mm512_and_si512(x, words16(0x7f80)), _mm512_setzero_si512());
-    return _mm512_mask_mov_epi16(x, tiny, _mm512_and_si512(x, words16(0x8000)));
-  }
+  static JSMLA_INLINE H load_bf16(const uint8_t* bytes) { return _mm512_loadu_si512(bytes); }
   static JSMLA_INLINE __m256i scaled_half(__m256i half, F scale) {
     const F value = mul(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)), scale);
-    __m512i bits = _mm512_castps_si512(value);
-    const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_and_si512(bits, ints(0x7fffffff)), ints(0x00800000));
-    bits = _mm512_mask_mov_epi32(bits, tiny, _mm512_and_si512(bits, ints(0x80000000u)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits(bits), 16));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits(_mm512_castps_si512(value)), 16));
   }
   static JSMLA_INLINE H scale_bf16(H x, float scale) {
     const F s = set1(scale);
@@ -702,13 +679,6 @@ int64_t compact_candidates(const AttentionParams& p, int64_t t, CandidateRef* ou
   return n;
 }
 
-inline uint32_t flush_pair(uint32_t word) {
-  uint32_t result = word;
-  if ((word & 0x7f80u) == 0) result &= ~uint32_t{0x7fff};
-  if ((word & 0x7f800000u) == 0) result &= ~uint32_t{0x7fff0000};
-  return result;
-}
-
 // q pairs of one head block, [d_qk / 2][width], zero past the block's real heads.
 void pack_queries(const FormatTraits& f, const AttentionParams& p, int64_t t, const HeadBlock& block, uint32_t* out) {
   const int64_t pairs = f.d_qk / 2;
@@ -719,8 +689,7 @@ void pack_queries(const FormatTraits& f, const AttentionParams& p, int64_t t, co
     }
     const uint16_t* q = p.q + (t * p.num_heads + block.first + lane) * static_cast<int64_t>(f.d_qk);
     for (int64_t i = 0; i < pairs; ++i) {
-      const uint32_t word = static_cast<uint32_t>(q[2 * i]) | (static_cast<uint32_t>(q[2 * i + 1]) << 16);
-      out[i * block.width + lane] = flush_pair(word);
+      out[i * block.width + lane] = static_cast<uint32_t>(q[2 * i]) | (static_cast<uint32_t>(q[2 * i + 1]) << 16);
     }
   }
 }
@@ -829,6 +798,24 @@ struct Call {
   }
 };
 
+// While alive, the calling thread reads subnormal floats as zero and flushes subnormal results (x86-64
+// MXCSR DAZ and FTZ), as the BF16 dot-product instruction always does: so the instruction sets that
+// emulate it with FP32 FMAs give its bits exactly. (XLA's CPU threads run this way already.)
+class FlushSubnormals {
+ public:
+#if JSMLA_CPU_X86
+  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFlushToZero | kDenormalsAreZero); }
+  ~FlushSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushToZero = 0x8000;
+  static constexpr unsigned kDenormalsAreZero = 0x0040;
+  const unsigned saved_;
+#else
+  FlushSubnormals() {}  // other CPUs follow IEEE rules for subnormals
+#endif
+};
+
 // Runs `phases` (each: item count and work(item, thread_index)) on `num_threads` threads, the caller
 // included, with a barrier after each phase.
 template <typename Phases>
@@ -837,6 +824,7 @@ void run_phases(int num_threads, int64_t num_phases, const Phases& phases) {
   for (int64_t i = 0; i < num_phases; ++i) next_item[i].store(0, std::memory_order_relaxed);
   Barrier barrier(num_threads);
   auto worker = [&](int thread_index) {
+    const FlushSubnormals flush_subnormals;
     for (int64_t phase = 0; phase < num_phases; ++phase) {
       const int64_t items = phases.items(phase);
       for (int64_t item = next_item[phase].fetch_add(1); item < items; item = next_item[phase].fetch_add(1)) {

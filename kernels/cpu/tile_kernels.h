@@ -6,19 +6,19 @@
 // once per instruction set, inside that set's namespace (which defines `Ops`) and compile-target
 // region, so every function here is compiled for that set. Every instruction set runs the same
 // sequence of roundings (each multiply-add is an explicit fused `Ops::fma`, the pair dot product is
-// two fused steps, odd element first, as the BF16 instructions define it), so results agree bit for
-// bit across sets except where a partial sum falls below 2^-126 (the BF16 instructions flush it).
+// two fused steps, odd element first, as the BF16 instruction defines it) and the kernel's threads
+// treat subnormals as the BF16 instruction does (see FlushSubnormals), so on x86-64 every set gives
+// the same bits.
 //
 // Ops provides, for F (kLanes float lanes), A/B (pair operands) and H (kChunk BF16 lanes):
 //   kLanes, kAccumulators (F accumulators of a register block), kMaxHeadVectors (widest head
 //   sub-block of a register block, in F vectors), kChunk;
 //   zero, set1, load, store, add, sub, mul, max, fma(a, b, c) = a*b + c rounded once,
-//   exp_nonpositive(x) (e^x for x <= 0), round_bf16(x) (round to nearest even BF16, as float;
-//   subnormal results flushed to zero),
+//   exp_nonpositive(x) (e^x for x <= 0), round_bf16(x) (round to nearest even BF16, as float),
 //   store_pairs(words, even, odd) (BF16-exact floats packed as pairs);
 //   load_a(words), broadcast_b(word), dot(acc, a, b) (acc + a.odd*b.odd, then + a.even*b.even);
-//   fp8_to_bf16(bytes), load_bf16(bytes) (subnormals flushed to zero), scale_bf16(h, s) (BF16 of
-//   h*s, subnormals flushed), zero_h, store_bf16(lanes, h), store_interleaved(words, even, odd).
+//   fp8_to_bf16(bytes), load_bf16(bytes), scale_bf16(h, s) (BF16 of h*s, rounded to nearest even),
+//   zero_h, store_bf16(lanes, h), store_interleaved(words, even, odd).
 
 using F = typename Ops::F;
 using A = typename Ops::A;

@@ -4,8 +4,7 @@
 // Tiles hold BF16 values packed for dot products over pairs of lanes: a 32-bit word is two BF16
 // values, the even element in its low half. K rows keep the row order of the cache (pairs of
 // adjacent lanes); V is stored as pairs of adjacent candidates, so that S = Q·Kᵀ and O = P·V both
-// reduce over pairs. Every value in a tile is a normal number or zero (subnormals are flushed), as
-// the BF16 dot-product instructions would read them.
+// reduce over pairs.
 #pragma once
 
 #include <cstdint>
