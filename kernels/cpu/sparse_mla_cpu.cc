@@ -493,7 +493,7 @@ const SupportedSets& supported_sets() {
   return supported;
 }
 
-const TileKernels& tile_kernels(InstructionSet set) {
+const TileKernels& tile_kernels([[maybe_unused]] InstructionSet set) {  // only x86-64 has a choice
   static constexpr TileKernels kPortable{portable::dequantize, portable::start, portable::add_tile};
 #if JSMLA_CPU_X86
   static constexpr TileKernels kAvx2{avx2::dequantize, avx2::start, avx2::add_tile};
