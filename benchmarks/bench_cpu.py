@@ -6,8 +6,10 @@ pure-JAX gather + einsum lowering) in the same run, with a correctness check of 
 
 Method: each case builds a cache of ``--pool_tokens`` random tokens (larger than the last-level cache)
 and draws random candidate indices over all of it; both lowerings are jitted with the cache as an
-argument, called twice to warm up, then timed over ``--repeats`` calls (each waited for with
-``block_until_ready``); the median is reported. FLOPs are counted as ``2·T·H·topk·(d_qk + d_v)``.
+argument. A round calls one lowering for ``--warmup_seconds`` to warm up, then times ``--repeats`` calls
+(each waited for with ``block_until_ready``) and takes their median; ``--rounds`` rounds alternate the
+two lowerings, and each lowering's lowest round median is reported (the other processes on a shared
+machine then spoil single rounds, not the comparison). FLOPs are counted as ``2·T·H·topk·(d_qk + d_v)``.
 Before timing, the kernel's output is checked against ``impl="xla"`` with the library's accuracy
 contract (max |out - ref| <= 2e-2·max(1, max |ref|), relative L2 <= 1e-2, |lse - ref| <= 1e-3).
 The machine's load average is recorded before and after the run, since other processes on the
@@ -16,6 +18,7 @@ same cores disturb the numbers.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -25,7 +28,10 @@ import time
 from absl import app, flags, logging
 
 flags.DEFINE_list("cases", [], "Run only these cases, as format:T:H:topk (default: all of CASES).")
-flags.DEFINE_integer("repeats", 5, "Timed calls per lowering and case; the median is reported.")
+flags.DEFINE_integer("repeats", 7, "Timed calls per round; a round reports their median.")
+flags.DEFINE_integer("rounds", 3, "Timing rounds per case, alternating the two lowerings; the lowest round "
+                     "median of each lowering is reported.")
+flags.DEFINE_float("warmup_seconds", 0.5, "Warm-up time per lowering and case before the timed calls.")
 flags.DEFINE_integer("pool_tokens", 65536, "Tokens in each benchmark cache.")
 flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"), "Where results go.")
 flags.DEFINE_string("tag", "", "Suffix of the result file names.")
@@ -50,11 +56,15 @@ PAGE_SIZE = 64
 
 
 def median_call_seconds(fn, args, repeats):
-    """Median and fastest wall seconds of one call of the jitted ``fn(*args)`` after two warm-up calls."""
+    """Median and fastest wall seconds of one call of the jitted ``fn(*args)``, after warm-up calls for at
+    least ``--warmup_seconds`` (at least two calls: compilation, first-use costs, the cores' clocks)."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
+    started = time.perf_counter()
+    for call in itertools.count():
+        jax.block_until_ready(fn(*args))
+        if call >= 1 and time.perf_counter() - started >= FLAGS.warmup_seconds:
+            break
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -107,12 +117,21 @@ def run_case(jsm, cache, kv_format, tokens, heads, topk, rng):
     out, lse = (np.asarray(x) for x in kernel(q, cache, indices))
     ref_out, ref_lse = (np.asarray(x) for x in xla(q, cache, indices))
     ok, err, rel_l2, lse_err = accuracy(out, lse, ref_out, ref_lse)
-    kernel_s, kernel_min_s = median_call_seconds(kernel, (q, cache, indices), FLAGS.repeats)
-    xla_s, xla_min_s = median_call_seconds(xla, (q, cache, indices), FLAGS.repeats)
+    # Rounds alternate the two lowerings; each reports its lowest round median, so that a burst of
+    # other load on the machine spoils a round rather than the result.
+    kernel_rounds, xla_rounds = [], []
+    for _ in range(FLAGS.rounds):
+        kernel_rounds.append(median_call_seconds(kernel, (q, cache, indices), FLAGS.repeats))
+        xla_rounds.append(median_call_seconds(xla, (q, cache, indices), FLAGS.repeats))
+    kernel_s = min(median for median, _ in kernel_rounds)
+    xla_s = min(median for median, _ in xla_rounds)
     flops = 2.0 * tokens * heads * topk * (fmt.d_qk + fmt.d_v)
     return {
         "format": kv_format, "T": tokens, "H": heads, "topk": topk, "kernel_ms": kernel_s * 1e3,
-        "kernel_min_ms": kernel_min_s * 1e3, "xla_ms": xla_s * 1e3, "xla_min_ms": xla_min_s * 1e3,
+        "kernel_round_medians_ms": [m * 1e3 for m, _ in kernel_rounds],
+        "kernel_min_ms": min(fastest for _, fastest in kernel_rounds) * 1e3, "xla_ms": xla_s * 1e3,
+        "xla_round_medians_ms": [m * 1e3 for m, _ in xla_rounds],
+        "xla_min_ms": min(fastest for _, fastest in xla_rounds) * 1e3,
         "speedup": xla_s / kernel_s, "kernel_gflops": flops / kernel_s / 1e9, "xla_gflops": flops / xla_s / 1e9,
         "check": "ok" if ok else "FAIL", "max_err": err, "rel_l2": rel_l2, "lse_err": lse_err,
     }
@@ -126,22 +145,31 @@ def machine_description():
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model}, {cores} cores usable"
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        pass
+    simd = " ".join(flag for flag in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16") if flag in flags)
+    return f"{model}, {cores} usable cores" + (f" ({simd})" if simd else "")
 
 
 def write_results(rows, machine, load_before, load_after):
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     suffix = f"_{FLAGS.tag}" if FLAGS.tag else ""
-    threads = os.environ.get("JAX_SPARSE_MLA_CPU_THREADS", "all usable cores")
-    isa = os.environ.get("JAX_SPARSE_MLA_CPU_ISA", "the best the CPU supports")
+    threads = os.environ.get("JSMLA_CPU_THREADS", "automatic (up to every usable core)")
+    isa = os.environ.get("JSMLA_CPU_ISA", "the best the CPU supports")
     with open(os.path.join(FLAGS.out_dir, f"bench_cpu{suffix}.json"), "w") as f:
         json.dump({"machine": machine, "threads": threads, "instruction_set": isa, "repeats": FLAGS.repeats,
+                   "rounds": FLAGS.rounds, "warmup_seconds": FLAGS.warmup_seconds,
                    "pool_tokens": FLAGS.pool_tokens, "load_average_before": load_before,
                    "load_average_after": load_after, "rows": rows}, f, indent=1)
-    lines = [f"Machine: {machine}; kernel threads: {threads}; instruction set: {isa}. Median wall time of one "
-             f"jitted call ({FLAGS.repeats} calls after 2 warm-up calls), cache of {FLAGS.pool_tokens} tokens, "
-             f"random indices. Load average (1/5/15 min) before: {' '.join(f'{x:.2f}' for x in load_before)}, "
-             f"after: {' '.join(f'{x:.2f}' for x in load_after)}.", "",
+    lines = [f"Machine: {machine}; kernel threads: {threads}; instruction set: {isa}. Wall time of one jitted "
+             f"call: the lowest of {FLAGS.rounds} round medians ({FLAGS.repeats} calls after "
+             f"{FLAGS.warmup_seconds:g} s of warm-up calls; rounds alternate the lowerings), cache of "
+             f"{FLAGS.pool_tokens} tokens, random indices. Load average (1/5/15 min) before: "
+             f"{' '.join(f'{x:.2f}' for x in load_before)}, after: {' '.join(f'{x:.2f}' for x in load_after)}.", "",
              "| format | T | H | topk | kernel ms | GFLOP/s | `impl=\"xla\"` ms | GFLOP/s | speed-up | check |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

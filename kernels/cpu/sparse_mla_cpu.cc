@@ -304,7 +304,8 @@ struct Ops {
     const __m256i magnitude = _mm256_and_si256(x, words16(0x7f));
     const __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(magnitude, 4), words16(0x3c00));
     // Subnormal codes (magnitude < 8) from the table: byte indices (2m, 2m + 1) of word m.
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp8.magnitude)));
+    const __m256i table =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp8.magnitude)));
     const __m256i index = _mm256_add_epi16(_mm256_mullo_epi16(magnitude, words16(0x0202)), words16(0x0100));
     const __m256i subnormal = _mm256_shuffle_epi8(table, index);
     __m256i r = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi16(words16(8), magnitude));
@@ -324,7 +325,9 @@ struct Ops {
     const __m256i high = scaled_half(_mm256_extracti128_si256(x, 1), s);
     return _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xd8);
   }
-  static JSMLA_INLINE void store_bf16(uint16_t* lanes, H x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), x); }
+  static JSMLA_INLINE void store_bf16(uint16_t* lanes, H x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), x);
+  }
   static JSMLA_INLINE void store_interleaved(uint32_t* words, H even, H odd) {
     const __m256i low = _mm256_unpacklo_epi16(even, odd);
     const __m256i high = _mm256_unpackhi_epi16(even, odd);
@@ -403,7 +406,8 @@ struct Ops {
     const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
     const __m512i magnitude = _mm512_and_si512(x, words16(0x7f));
     const uint16_t* table = kFp8.magnitude;
-    const __m512i below_64 = _mm512_permutex2var_epi16(_mm512_loadu_si512(table), magnitude, _mm512_loadu_si512(table + 32));
+    const __m512i below_64 =
+        _mm512_permutex2var_epi16(_mm512_loadu_si512(table), magnitude, _mm512_loadu_si512(table + 32));
     const __m512i from_64 =
         _mm512_permutex2var_epi16(_mm512_loadu_si512(table + 64), magnitude, _mm512_loadu_si512(table + 96));
     const __m512i r = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(magnitude, words16(64)), below_64, from_64);
@@ -554,7 +558,9 @@ class WorkspacePool {
   struct Block {
     std::unique_ptr<uint8_t[]> bytes;
     size_t size = 0;
-    uint8_t* aligned() const { return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bytes.get()) + 63) & ~uintptr_t{63}); }
+    uint8_t* aligned() const {
+      return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bytes.get()) + 63) & ~uintptr_t{63});
+    }
   };
 
   Block acquire(size_t size) {
@@ -634,12 +640,12 @@ TileGeometry tile_geometry(const FormatTraits& f, int64_t capacity) {
   return g;
 }
 
+// The tile at `at` for `rows` candidates.
 TokenTile tile_at(const FormatTraits& f, const TileGeometry& g, uint8_t* at, int64_t rows) {
   TokenTile tile;
   tile.k_pairs = reinterpret_cast<uint32_t*>(at);
   tile.v_pairs = reinterpret_cast<uint32_t*>(at + g.v_offset);
   tile.scales = f.scale_kind == ScaleKind::kFp32 ? reinterpret_cast<float*>(at + g.scale_offset) : nullptr;
-  tile.rows = rows;
   tile.padded_rows = round_up(std::max<int64_t>(rows, 1), kRowGranule);
   return tile;
 }
@@ -950,7 +956,9 @@ std::string cpu_kernel_options_from_environment(CpuKernelOptions* options) {
     std::string supported;
     for (int i = 0; i < kNumInstructionSets; ++i) {
       const auto set = static_cast<InstructionSet>(i);
-      if (instruction_set_supported(set)) supported += std::string(supported.empty() ? "" : ", ") + instruction_set_name(set);
+      if (instruction_set_supported(set)) {
+        supported += std::string(supported.empty() ? "" : ", ") + instruction_set_name(set);
+      }
     }
     for (int i = 0; i < kNumInstructionSets; ++i) {
       const auto set = static_cast<InstructionSet>(i);

@@ -101,12 +101,12 @@ void tile_softmax(const AttendJob& job, int64_t count, int64_t rows) {
       const int64_t even = 2 * pair;
       F p_even = Ops::zero();
       F p_odd = Ops::zero();
-      if (even < count) p_even = Ops::exp_nonpositive(Ops::sub(Ops::load(job.scores + even * head_block + lane0), new_max));
-      if (even + 1 < count) {
-        p_odd = Ops::exp_nonpositive(Ops::sub(Ops::load(job.scores + (even + 1) * head_block + lane0), new_max));
-      }
+      const float* even_scores = job.scores + even * head_block + lane0;
+      if (even < count) p_even = Ops::exp_nonpositive(Ops::sub(Ops::load(even_scores), new_max));
+      if (even + 1 < count) p_odd = Ops::exp_nonpositive(Ops::sub(Ops::load(even_scores + head_block), new_max));
       sum = Ops::add(Ops::add(sum, p_even), p_odd);
-      Ops::store_pairs(job.probabilities + pair * head_block + lane0, Ops::round_bf16(p_even), Ops::round_bf16(p_odd));
+      Ops::store_pairs(job.probabilities + pair * head_block + lane0, Ops::round_bf16(p_even),
+                       Ops::round_bf16(p_odd));
     }
     Ops::store(job.row_sum + lane0, Ops::fma(Ops::load(job.row_sum + lane0), Ops::load(job.alpha + lane0), sum));
   }
@@ -124,13 +124,14 @@ void tile_values(const AttendJob& job, int64_t pairs, bool rescale) {
     for (int v = 0; v < HeadVectors; ++v) alpha[v] = Ops::load(job.alpha + (v0 + v) * Ops::kLanes);
     for (int x0 = 0; x0 < d_v; x0 += kRows) {
       F acc[kRows][HeadVectors];
-      pair_dot_block<HeadVectors, kRows>(job.probabilities + v0 * Ops::kLanes, head_block, job.v_pairs + x0, 1, d_v, pairs,
-                                         acc);
+      pair_dot_block<HeadVectors, kRows>(job.probabilities + v0 * Ops::kLanes, head_block, job.v_pairs + x0, 1, d_v,
+                                         pairs, acc);
       for (int x = 0; x < kRows; ++x) {
         float* row = job.output + static_cast<int64_t>(x0 + x) * head_block + v0 * Ops::kLanes;
         for (int v = 0; v < HeadVectors; ++v) {
           float* lanes = row + v * Ops::kLanes;
-          Ops::store(lanes, rescale ? Ops::fma(Ops::load(lanes), alpha[v], acc[x][v]) : Ops::add(Ops::load(lanes), acc[x][v]));
+          const F previous = Ops::load(lanes);
+          Ops::store(lanes, rescale ? Ops::fma(previous, alpha[v], acc[x][v]) : Ops::add(previous, acc[x][v]));
         }
       }
     }

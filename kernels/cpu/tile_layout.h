@@ -56,13 +56,12 @@ struct CandidateRef {
   int32_t list;
 };
 
-// One token's dequantized candidates. `rows` valid candidates, padded with zero rows to
-// `padded_rows` (a multiple of kRowGranule).
+// One token's dequantized candidates, padded with zero rows to `padded_rows` (a multiple of
+// kRowGranule).
 struct TokenTile {
   uint32_t* k_pairs = nullptr;  // [padded_rows][d_qk / 2]: row c holds K(c) (FP32-scale formats: the codes)
   uint32_t* v_pairs = nullptr;  // [padded_rows / 2][d_v]: word (i, d) = (V(2i)[d], V(2i+1)[d]) (values)
   float* scales = nullptr;      // FP32-scale formats: [padded_rows][num_segments] (1 past the FP8 lanes)
-  int64_t rows = 0;
   int64_t padded_rows = 0;
 };
 
