@@ -71,7 +71,7 @@ constexpr Fp8Table make_fp8_table() {
 alignas(64) constexpr Fp8Table kFp8 = make_fp8_table();
 static_assert(kFp8.magnitude[0x38] == 0x3f80 && kFp8.magnitude[0x7e] == 0x43e0 && kFp8.magnitude[1] == 0x3b00 &&
                   kFp8.magnitude[7] == 0x3c60,
-              "FP8 -> BF16 table: 1.0, 448, the smallest subnormal (2^-9) and the largest (7 * 2^-9)");
+              "the FP8 -> BF16 table must decode 1.0, 448 and the smallest and largest subnormals exactly");
 
 // e^x for x <= 0: x clamped at kMinArgument (so every result is a normal float), x = n ln2 + r with
 // n = round(x log2 e), e^r by a degree-5 polynomial, then scaled by 2^n. Every instruction set runs
