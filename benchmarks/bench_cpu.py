@@ -12,7 +12,8 @@ two lowerings, and each lowering's lowest round median is reported (the other pr
 machine then spoil single rounds, not the comparison). FLOPs are counted as ``2·T·H·topk·(d_qk + d_v)``.
 Before timing, the kernel's output is checked against ``impl="xla"`` with the library's accuracy
 contract (max |out - ref| <= 2e-2·max(1, max |ref|), relative L2 <= 1e-2, |lse - ref| <= 1e-3).
-The machine's load average is recorded before and after the run, since other processes on the
+The machine's load average is recorded before and after the run and before each case (the table's
+"load" column: the 1-minute average, which counts the benchmark itself), since other processes on the
 same cores disturb the numbers.
 """
 
@@ -170,12 +171,12 @@ def write_results(rows, machine, load_before, load_after):
              f"{FLAGS.warmup_seconds:g} s of warm-up calls; rounds alternate the lowerings), cache of "
              f"{FLAGS.pool_tokens} tokens, random indices. Load average (1/5/15 min) before: "
              f"{' '.join(f'{x:.2f}' for x in load_before)}, after: {' '.join(f'{x:.2f}' for x in load_after)}.", "",
-             "| format | T | H | topk | kernel ms | GFLOP/s | `impl=\"xla\"` ms | GFLOP/s | speed-up | check |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| format | T | H | topk | kernel ms | GFLOP/s | `impl=\"xla\"` ms | GFLOP/s | speed-up | check | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['format']} | {r['T']} | {r['H']} | {r['topk']} | {r['kernel_ms']:.2f} | "
                      f"{r['kernel_gflops']:.0f} | {r['xla_ms']:.2f} | {r['xla_gflops']:.0f} | "
-                     f"{r['speedup']:.2f}× | {r['check']} |")
+                     f"{r['speedup']:.2f}× | {r['check']} | {r['load_1min_before']:.2f} |")
     table = "\n".join(lines) + "\n"
     with open(os.path.join(FLAGS.out_dir, f"bench_cpu{suffix}.md"), "w") as f:
         f.write(table)
@@ -201,7 +202,9 @@ def main(argv):
     for kv_format, tokens, heads, topk in cases:
         if kv_format not in caches:
             caches[kv_format] = build_cache(jsm, kv_format, FLAGS.pool_tokens, seed=len(caches))
+        load = os.getloadavg()[0]
         rows.append(run_case(jsm, caches[kv_format], kv_format, tokens, heads, topk, rng))
+        rows[-1]["load_1min_before"] = load
         print(json.dumps(rows[-1]), flush=True)
     print(write_results(rows, machine, load_before, os.getloadavg()))
     return 0 if all(r["check"] == "ok" for r in rows) else 1
