@@ -51,6 +51,20 @@ constexpr float kExpPolynomial[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.33345
                                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 static_assert(kMinArgument * kLog2e > -126.0f, "2^n of the clamped argument must be a normal float");
 
+// Lane indices that interleave two 32-lane vectors a and b (indices 32.. select b) into word i =
+// (a[i], b[i]) for the first 16 words; adding 16 gives the next 16.
+struct InterleaveTable {
+  uint16_t lane[32];
+};
+
+constexpr InterleaveTable make_interleave_table() {
+  InterleaveTable table{};
+  for (int i = 0; i < 32; ++i) table.lane[i] = static_cast<uint16_t>(i % 2 == 0 ? i / 2 : 32 + i / 2);
+  return table;
+}
+
+alignas(64) constexpr InterleaveTable kInterleave = make_interleave_table();
+
 inline uint32_t bits_of(float x) { return float_to_bits(x); }
 inline float float_of(uint32_t bits) { return bits_to_float(bits); }
 
@@ -392,9 +406,7 @@ struct Ops {
   }
   static JSMLA_INLINE void store_bf16(uint16_t* lanes, H x) { _mm512_storeu_si512(lanes, x); }
   static JSMLA_INLINE void store_interleaved(uint32_t* words, H even, H odd) {
-    // Word i of the result holds lane i of `even` (low half) and of `odd` (high half).
-    const __m512i low_lanes = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i low_lanes = _mm512_loadu_si512(kInterleave.lane);
     const __m512i high_lanes = _mm512_add_epi16(low_lanes, words16(16));
     _mm512_storeu_si512(words, _mm512_permutex2var_epi16(even, low_lanes, odd));
     _mm512_storeu_si512(words + 16, _mm512_permutex2var_epi16(even, high_lanes, odd));
@@ -406,6 +418,7 @@ struct Ops {
 }  // namespace avx512
 JSMLA_END_TARGET
 
+#if JSMLA_CPU_X86_BF16
 JSMLA_BEGIN_TARGET("avx2,fma,avx512f,avx512bw,avx512bf16")
 namespace avx512_bf16 {
 
@@ -424,4 +437,5 @@ struct Ops : avx512::Ops {
 
 }  // namespace avx512_bf16
 JSMLA_END_TARGET
+#endif  // JSMLA_CPU_X86_BF16
 #endif  // JSMLA_CPU_X86

@@ -35,6 +35,12 @@
 #else
 #define JSMLA_CPU_X86 0
 #endif
+// The BF16 dot-product intrinsics need GCC 10 or clang 9; older compilers build the other sets.
+#if JSMLA_CPU_X86 && (defined(__clang__) ? __clang_major__ >= 9 : __GNUC__ >= 10)
+#define JSMLA_CPU_X86_BF16 1
+#else
+#define JSMLA_CPU_X86_BF16 0
+#endif
 
 #include "../common/numeric.h"
 #include "tile_layout.h"
@@ -72,7 +78,7 @@ SupportedSets detect_instruction_sets() {
   supported.set[static_cast<int>(InstructionSet::kAvx2)] = ymm_state && avx2 && fma;
   supported.set[static_cast<int>(InstructionSet::kAvx512)] = ymm_state && zmm_state && avx2 && fma && avx512;
   supported.set[static_cast<int>(InstructionSet::kAvx512Bf16)] =
-      supported.set[static_cast<int>(InstructionSet::kAvx512)] && bf16;
+      JSMLA_CPU_X86_BF16 && supported.set[static_cast<int>(InstructionSet::kAvx512)] && bf16;
 #endif
   return supported;
 }
@@ -87,17 +93,12 @@ const TileKernels& tile_kernels([[maybe_unused]] InstructionSet set) {  // only 
 #if JSMLA_CPU_X86
   static constexpr TileKernels kAvx2{avx2::dequantize, avx2::start, avx2::add_tile};
   static constexpr TileKernels kAvx512{avx512::dequantize, avx512::start, avx512::add_tile};
+#if JSMLA_CPU_X86_BF16
   static constexpr TileKernels kAvx512Bf16{avx512_bf16::dequantize, avx512_bf16::start, avx512_bf16::add_tile};
-  switch (set) {
-    case InstructionSet::kAvx2:
-      return kAvx2;
-    case InstructionSet::kAvx512:
-      return kAvx512;
-    case InstructionSet::kAvx512Bf16:
-      return kAvx512Bf16;
-    case InstructionSet::kPortable:
-      break;
-  }
+  if (set == InstructionSet::kAvx512Bf16) return kAvx512Bf16;
+#endif
+  if (set == InstructionSet::kAvx512) return kAvx512;
+  if (set == InstructionSet::kAvx2) return kAvx2;
 #endif
   return kPortable;
 }
