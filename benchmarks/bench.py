@@ -1,4 +1,4 @@
-"""Benchmark harness (PERF.md method): device time per call, TFLOP/s, gathered GB/s, and the speed-up
+"""Benchmark harness (method: docs/performance.md): device time per call, TFLOP/s, gathered GB/s, and the speed-up
 over a frozen pure-JAX gather + einsum baseline measured in the same run.
 
     python benchmarks/bench.py --out_dir benchmarks/results            # the full grid (GPU)
@@ -6,12 +6,12 @@ over a frozen pure-JAX gather + einsum baseline measured in the same run.
 
 Method: one jitted function runs the op over ``--steps`` stacked index sets with ``lax.scan`` (unrolled,
 so the loop adds no host round trip per step; every output is consumed); a sample queues four such
-calls back to back (``jax_sparse_mla._measure.CALLS_PER_SAMPLE``) and waits for the last with
+calls back to back (``jax_sparse_mla.timing.CALLS_PER_SAMPLE``) and waits for the last with
 ``block_until_ready`` (dispatch is asynchronous, so the host's per-call overhead overlaps the device
 work and is not counted), divided by the step count;
 the median of ``--repeats`` samples after a warm-up is reported. The cache is several times the
 L2 (>= 170 MB) and every step uses a different random index set. Before timing, each case's first rows
-are checked against the C++ CPU kernel with the SPEC §4 accuracy contract.
+are checked against the C++ CPU kernel with the accuracy contract (docs/semantics.md).
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ flags.DEFINE_list("cases", [], "Run only these decode cases, as format:T:H (defa
 flags.DEFINE_list("prefill_tokens", [], "Prefill token counts (default: the grid's).")
 flags.DEFINE_bool("empty_shard", True, "Also time a padded shard (valid_tokens = 0) and the harness floor.")
 flags.DEFINE_bool("prefill", True, "Run the prefill cases.")
+flags.DEFINE_enum("flashmla", "auto", ["auto", "on", "off"],
+                  "Time DeepSeek's FlashMLA beside us on the same dsv3_2 cache bytes and indices (decode; prefill on "
+                  "the dequantized BF16 cache): auto when the flash_mla package imports, on = fail without it.")
+flags.DEFINE_list("prefill_formats", ["dsv3_2", "bf16_576"], "Cache formats of the prefill cases.")
 flags.DEFINE_integer("baseline_chunk_tokens", 1024,
                      "Above this many tokens the baseline runs over sequential chunks of this size (lax.map): "
                      "whole, its T = 4096 program asks for an 84 GiB allocation, more than an H200 holds.")
@@ -119,31 +123,6 @@ def baseline_view(cache, kv_format, page_size):
 
 # ------------------------------------------------------------------------------------------------
 
-def timed_scan(body, operands, xs, repeats):
-    """Median, fastest and slowest seconds per step of ``body(operands, x)`` scanned over ``xs``
-    (leading axis = steps), timed with the library's calibration method
-    (``jax_sparse_mla._measure.median_step_seconds``: calls queued back to back, so a call's host
-    dispatch is not counted).
-
-    ``operands`` (the cache, q, ...) are arguments of the jitted function, never closed over: a
-    closed-over array would be baked into the executable as a constant."""
-    import jax
-    import jax.numpy as jnp
-
-    from jax_sparse_mla._measure import median_step_seconds
-
-    @jax.jit
-    def run(operands, xs):
-        def step(carry, x):
-            return carry + body(operands, x), None
-
-        total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), xs, unroll=True)
-        return total
-
-    steps = jax.tree_util.tree_leaves(xs)[0].shape[0]
-    return median_step_seconds(run, (operands, xs), steps, repeats)
-
-
 def accuracy(out, lse, ref_out, ref_lse):
     import jax.numpy as jnp
 
@@ -170,9 +149,38 @@ def cache_on_cpu(cache, cpu):
     return _host_caches[key]
 
 
-def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, impl, rng, with_baseline):
+def flashmla_columns(anchor, impl, kv_format, q, cache, kv_bf16, indices, sm_scale, out, lse):
+    """FlashMLA's time on the case's bytes and indices and its difference from our output (index set 0),
+    or {} where FlashMLA has no kernel for the case."""
+    import numpy as np
+
+    from jax_sparse_mla.timing import CALLS_PER_SAMPLE
+
+    if anchor is None or q.shape[-1] != 576 or indices.shape[-1] % 64:
+        return {}
+    if impl == "prefill":
+        if indices.shape[-1] % 128 or q.shape[1] not in (64, 128):
+            return {}
+        us, fm_out, fm_lse = anchor.prefill(q, kv_bf16, indices, sm_scale, FLAGS.repeats, CALLS_PER_SAMPLE)
+    else:
+        if kv_format != "dsv3_2" or q.shape[1] > 128:
+            return {}
+        us, fm_out, fm_lse = anchor.decode(q, cache, indices, sm_scale, FLAGS.repeats, CALLS_PER_SAMPLE)
+    ours = np.asarray(out.astype(np.float32))
+    diff = np.abs(ours - fm_out)
+    finite = np.isfinite(fm_lse)
+    return {"flashmla_us": us,
+            "flashmla_max_diff": float(diff.max() / max(float(np.abs(fm_out).max()), 1e-30)),
+            "flashmla_rel_l2": float(np.linalg.norm(ours - fm_out) / max(float(np.linalg.norm(fm_out)), 1e-30)),
+            "flashmla_lse_diff": float(np.abs(np.asarray(lse)[finite] - fm_lse[finite]).max()) if finite.any() else 0.0}
+
+
+def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, impl, rng, with_baseline,
+             anchor=None, kv_bf16=None):
     import jax
     import jax.numpy as jnp
+
+    from jax_sparse_mla.timing import time_scan
 
     fmt = jsm.get_format(kv_format)
     sm_scale = fmt.d_qk ** -0.5
@@ -194,18 +202,22 @@ def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, i
     ok, err, rel_l2, lse_err = accuracy(jax.device_put(out[:check_rows], cpu), jax.device_put(lse[:check_rows], cpu),
                                         ref_out, ref_lse)
 
-    seconds, fastest, slowest = timed_scan(lambda ops, idx: jnp.sum(op(ops, idx)[0].astype(jnp.float32)), (q, cache),
+    seconds, fastest, slowest = time_scan(lambda ops, idx: jnp.sum(op(ops, idx)[0].astype(jnp.float32)), (q, cache),
                                            indices, FLAGS.repeats)
     base_seconds = None
     if with_baseline:
-        base_seconds, _, _ = timed_scan(
+        base_seconds, _, _ = time_scan(
             lambda ops, idx: jnp.sum(baseline_in_chunks(ops[0], ops[1], idx, sm_scale, kv_format,
                                                         FLAGS.baseline_chunk_tokens)), (q, view),
             indices, max(3, FLAGS.repeats // 2))
     flops = 2.0 * tokens * heads * TOPK * (fmt.d_qk + fmt.d_v)
     gathered = tokens * TOPK * fmt.bytes_per_token
     plan = jsm.plan(q.shape, fmt, TOPK, platform="cuda" if jax.default_backend() == "gpu" else "cpu", impl=impl)
+    anchor_columns = flashmla_columns(anchor, impl, kv_format, q, cache, kv_bf16, indices, sm_scale, out, lse)
+    if anchor_columns:
+        anchor_columns["vs_flashmla"] = seconds * 1e6 / anchor_columns["flashmla_us"]
     return {
+        **anchor_columns,
         "format": kv_format, "T": tokens, "H": heads, "topk": TOPK, "impl": impl, "variant": plan.variant,
         "num_splits": plan.num_splits, "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6,
         "tflops": flops / seconds / 1e12, "gbps": gathered / seconds / 1e9,
@@ -219,6 +231,8 @@ def empty_shard_rows(jsm, cache_entry, rng):
     """Cost of a padded expert-parallel shard: the same call with valid_tokens = T and = 0."""
     import jax
     import jax.numpy as jnp
+
+    from jax_sparse_mla.timing import time_scan
 
     cache, _, num_slots = cache_entry
     fmt = jsm.get_format("dsv3_2")
@@ -240,7 +254,7 @@ def empty_shard_rows(jsm, cache_entry, rng):
         ok = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
         if valid == 0:
             ok = ok and bool(jnp.all(out == 0)) and bool(jnp.all(lse == -jnp.inf))
-        seconds, fastest, slowest = timed_scan(lambda ops, idx: jnp.sum(op(ops, idx)[0].astype(jnp.float32)),
+        seconds, fastest, slowest = time_scan(lambda ops, idx: jnp.sum(op(ops, idx)[0].astype(jnp.float32)),
                                                (q, cache, vt), indices, FLAGS.repeats)
         rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": f"valid_tokens={valid}",
                      "variant": jsm.plan(q.shape, fmt, TOPK, platform="cuda").variant, "num_splits": 0,
@@ -255,7 +269,7 @@ def empty_shard_rows(jsm, cache_entry, rng):
     def floor_op(idx):
         return jnp.zeros(out_shape, jnp.bfloat16).at[:, 0, 0].set(idx[:, 0].astype(jnp.bfloat16))
 
-    seconds, fastest, slowest = timed_scan(lambda ops, idx: jnp.sum(floor_op(idx).astype(jnp.float32)), (),
+    seconds, fastest, slowest = time_scan(lambda ops, idx: jnp.sum(floor_op(idx).astype(jnp.float32)), (),
                                            all_indices, FLAGS.repeats)
     rows.append({"format": "dsv3_2", "T": tokens, "H": heads, "topk": TOPK, "impl": "floor",
                  "variant": "harness floor (write + sum an output-sized array)", "num_splits": 0,
@@ -273,23 +287,32 @@ def write_results(rows, device):
         json.dump({"device": device, "steps": FLAGS.steps, "repeats": FLAGS.repeats,
                    "pool_bytes": FLAGS.pool_bytes, "rows": rows}, f, indent=1)
     step_counts = sorted({r.get("steps", FLAGS.steps) for r in rows}) or [FLAGS.steps]
-    from jax_sparse_mla._measure import CALLS_PER_SAMPLE
+    from jax_sparse_mla.timing import CALLS_PER_SAMPLE
 
+    anchored = any("flashmla_us" in r for r in rows)
     lines = [f"Device: {device}. Median device time per call (lax.scan over "
              f"{' or '.join(map(str, step_counts))} index sets, {CALLS_PER_SAMPLE} calls queued per sample, "
-             f"{FLAGS.repeats} samples), topk={TOPK}, cache {FLAGS.pool_bytes / 1e6:.0f} MB, random indices.", "",
-             "| format | kernel | T | H | µs | TFLOP/s | GB/s | baseline µs | speed-up | check |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"{FLAGS.repeats} samples), topk={TOPK}, cache {FLAGS.pool_bytes / 1e6:.0f} MB, random indices."
+             + (" FlashMLA: a CUDA graph of one call per index set on the same bytes, replayed "
+                f"{CALLS_PER_SAMPLE} times per sample (prefill on the dequantized BF16 cache; H < 64 padded to 64 "
+                "heads); diff = max |ours - FlashMLA| / max |FlashMLA|." if anchored else ""), "",
+             "| format | kernel | T | H | µs | TFLOP/s | GB/s | baseline µs | speed-up | "
+             + ("FlashMLA µs | ours / FlashMLA | diff | " if anchored else "") + "check |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if anchored else "") + "---|"]
     for r in rows:
         base = "—" if r["baseline_us"] is None else f"{r['baseline_us']:.1f}"
         speed = "—" if r["speedup"] is None else f"{r['speedup']:.2f}×"
+        anchor = ""
+        if anchored:
+            anchor = ("— | — | — | " if "flashmla_us" not in r else
+                      f"{r['flashmla_us']:.1f} | {r['vs_flashmla']:.2f} | {r['flashmla_max_diff']:.1e} | ")
         kernel = r["variant"] + (f" ({r['num_splits']} splits)" if r["variant"] == "decode" else "")
         if r["impl"].startswith("valid_tokens"):
             kernel += f", {r['impl']}"
         elif r["impl"] == "floor":
             kernel = r["variant"]
         lines.append(f"| {r['format']} | {kernel} | {r['T']} | {r['H']} | {r['us']:.1f} | {r['tflops']:.0f} | "
-                     f"{r['gbps']:.0f} | {base} | {speed} | {r['check']} |")
+                     f"{r['gbps']:.0f} | {base} | {speed} | {anchor}{r['check']} |")
     table = "\n".join(lines) + "\n"
     with open(os.path.join(FLAGS.out_dir, f"bench{suffix}.md"), "w") as f:
         f.write(table)
@@ -355,13 +378,29 @@ def main(argv):
     prefill_cases = ([(int(t), 128) for t in FLAGS.prefill_tokens] if FLAGS.prefill_tokens
                      else prefill_grid(FLAGS.grid)) if FLAGS.prefill else []
     prefill_impl = "prefill" if jsm.cuda_available() else "auto"
+    anchor = None
+    if FLAGS.flashmla != "off":
+        import flashmla_anchor
+
+        reason = flashmla_anchor.import_error()
+        if reason is None:
+            anchor = flashmla_anchor
+        elif FLAGS.flashmla == "on":
+            raise SystemExit(f"--flashmla=on, but FlashMLA does not import: {reason}")
+        else:
+            print(f"FlashMLA not available ({reason}): no FlashMLA columns", flush=True)
+    kv_bf16 = None
+    if prefill_cases and (anchor is not None or "bf16_576" in FLAGS.prefill_formats):
+        # The dsv3_2 cache dequantized: FlashMLA's prefill input and our bf16_576 prefill cache.
+        kv_bf16 = jax.jit(lambda c: jsm.dequantize_kv(c, "dsv3_2")[0].astype(jnp.bfloat16))(caches["dsv3_2"][0])
+        caches["bf16_576"] = (kv_bf16, None, kv_bf16.shape[0])
     work = [(f, t, h, "auto", True) for f, t, h in decode_cases]
-    work += [("dsv3_2", t, h, prefill_impl, True) for t, h in prefill_cases]
+    work += [(f, t, h, prefill_impl, f != "bf16_576") for f in FLAGS.prefill_formats for t, h in prefill_cases]
     for kv_format, tokens, heads, impl, with_baseline in work:
         cache, view, num_slots = caches[kv_format]
         started = time.perf_counter()
         rows.append(run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, impl, rng,
-                             with_baseline))
+                             with_baseline, anchor=anchor, kv_bf16=kv_bf16))
         rows[-1]["wall_s"] = time.perf_counter() - started
         print(json.dumps(rows[-1]), flush=True)
         write_results(rows, device)  # a run cut short still leaves its table

@@ -7,7 +7,13 @@
 #   bash benchmarks/gpu_session.sh bench          # build + GPU smoke tier + the full benchmark grid
 #   bash benchmarks/gpu_session.sh release        # build + benchmark grid + full tier + planner sweep
 #   bash benchmarks/gpu_session.sh sweep          # build + calibrate + planner sweep
-#   bash benchmarks/gpu_session.sh multi          # build + the multi-GPU sharding tests
+#   bash benchmarks/gpu_session.sh multi          # build + the multi-GPU sharding tests + bench_sharded.py
+#   bash benchmarks/gpu_session.sh compare        # build (+ FlashMLA) + smoke tier + standalone check + the
+#                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
+#
+# FlashMLA (for the comparison columns): its public sources with the trimmed SM90 build recipe in
+# $JSMLA_FLASHMLA_SRC (default .anchors/flashmla, a folder the checkout ignores); built in the
+# background while the tests run, then put on PYTHONPATH. Without it the columns are skipped.
 #
 # Logs and results go to $OUT (default /tmp/jsmla_out); a short table is printed last.
 set -uo pipefail
@@ -31,6 +37,14 @@ if ! JSMLA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --
 fi
 echo "build: $(( $(date +%s) - start )) s"
 grep -E "registers|spill|smem" "$out/build.log" | sort -u | head -40 > "$out/ptxas.txt" || true
+
+flashmla_src=${JSMLA_FLASHMLA_SRC:-$repo/.anchors/flashmla}
+flashmla_pid=""
+if [ "$mode" = compare ] && [ -f "$flashmla_src/setup_sm90.py" ]; then
+  (cd "$flashmla_src" && MAX_JOBS=8 NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
+     python3 setup_sm90.py build_ext --inplace > "$out/flashmla_build.log" 2>&1) &
+  flashmla_pid=$!
+fi
 
 cd /tmp  # import the installed package, not the source tree
 python3 -c "import jax, jax_sparse_mla as j; print('jax', jax.__version__, jax.devices(), 'cuda ext:', j.cuda_available())"
@@ -85,9 +99,25 @@ case "$mode" in
     grep -E "^calibrated:" "$out/sweep.log"
     tail -14 "$out/sweep.log"
     ;;
+  compare)
+    run_tests -m "gpu and not gpu_full" || status=1
+    (cd "$repo" && SKIP_SANITIZE=1 OUT="$out/check" CHECK_TIMEOUT="${JSMLA_CHECK_TIMEOUT:-200}" \
+       bash kernels/cuda/tests/build_and_check.sh > "$out/check.log" 2>&1) || status=1
+    grep -E "^(device|case|.*(PASS|FAIL))" "$out/check.log" | tail -32
+    if [ -n "$flashmla_pid" ]; then
+      wait "$flashmla_pid" && export PYTHONPATH="$flashmla_src${PYTHONPATH:+:$PYTHONPATH}" \
+        || { echo "FlashMLA build failed:"; tail -5 "$out/flashmla_build.log"; }
+    fi
+    timeout "${JSMLA_BENCH_TIMEOUT:-300}" python3 "$repo/benchmarks/bench.py" ${JSMLA_BENCH_ARGS:-} --out_dir "$out" \
+      > "$out/bench.log" 2>&1 || status=1
+    tail -30 "$out/bench.log"
+    ;;
   multi)
     python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_multi_gpu.py" 2>&1 | tee "$out/multi.log" | tail -8
     status=${PIPESTATUS[0]}
+    timeout "${JSMLA_BENCH_TIMEOUT:-400}" python3 "$repo/benchmarks/bench_sharded.py" --out_dir "$out" \
+      > "$out/bench_sharded.log" 2>&1 || status=1
+    tail -16 "$out/bench_sharded.log"
     ;;
   *)
     echo "unknown mode $mode"; exit 2 ;;

@@ -1,7 +1,14 @@
 """Checks the planner against measurement: calibrate, then time every candidate plan of a grid of shapes
-and compare the planner's pick (calibrated and default constants) with the fastest measured choice.
+and compare the planner's pick (calibrated and default constants) and its predicted time with the
+fastest measured choice.
 
-    python benchmarks/planner_sweep.py --out_dir /tmp/out
+    python benchmarks/planner_sweep.py --out_dir /tmp/out                  # GPU: calibrate + sweep
+    python benchmarks/planner_sweep.py --replay benchmarks/results/planner_sweep.json
+        # any machine: the current default constants' picks and predictions against a recorded sweep
+
+Every choice's measured time is recorded, so ``--replay`` judges the built-in constants on the
+measurements of the GPU run without a GPU (the constants are refitted from a calibration run and then
+checked this way).
 """
 
 from __future__ import annotations
@@ -14,83 +21,134 @@ from absl import app, flags, logging
 
 flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"), "Where results go.")
 flags.DEFINE_string("kv_format", "dsv3_2", "Format of the sweep.")
-flags.DEFINE_list("tokens", ["1", "16", "64", "128", "1024"], "Token counts.")
-flags.DEFINE_list("heads", ["16", "128"], "Head counts.")
+flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16", "32", "64"], "Token counts.")
+flags.DEFINE_list("heads", ["16", "64", "128"], "Head counts.")
 flags.DEFINE_integer("topk", 2048, "Candidates per row.")
-flags.DEFINE_integer("passes", 2, "Timings of each choice (averaged).")
+flags.DEFINE_integer("passes", 1, "Timings of each choice (averaged).")
+flags.DEFINE_string("replay", "", "A recorded planner_sweep.json: evaluate the default constants on it (no GPU).")
 FLAGS = flags.FLAGS
 
 SPLITS = (2, 4, 8, 16)
 SPLITS_FEW_TOKENS = SPLITS + (32, 64)  # T <= 16 (more splits would only grow the workspace elsewhere)
 
 
+def choice_key(variant, tile, splits) -> str:
+    return f"{variant}/h{tile}/s{splits}"
+
+
+def evaluate(measured: dict, shape, kv_format, topk, model, device):
+    """(pick key, its measured µs or None when it was not timed, predicted µs) of one model's plan."""
+    import jax_sparse_mla as jsm
+
+    p = jsm.plan(shape, kv_format, topk, platform="cuda", cost_model=model, device=device)
+    key = choice_key(p.variant, p.heads_per_block, p.num_splits)
+    return key, measured.get(key), p.predicted_us
+
+
+def table(device_name, kv_format, topk, rows, constants, default_constants) -> str:
+    lines = [f"planner sweep on {device_name}, {kv_format}, topk={topk}; µs measured (predicted)",
+             "| T | H | best (variant/tile/splits) | best µs | calibrated pick | µs (predicted) | pick/best | "
+             "default pick | µs (predicted) | default/best |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['T']} | {r['H']} | {r['best']} | {r['best_us']:.1f} | {r['pick']} | {r['pick_us']:.1f} "
+            f"({r['pick_predicted_us']:.1f}) | {r['ratio']:.2f} | {r['default_pick']} | {r['default_us']:.1f} "
+            f"({r['default_predicted_us']:.1f}) | {r['default_ratio']:.2f} |")
+    within = sum(r["ratio"] <= 1.10 for r in rows)
+    default_within = sum(r["default_ratio"] <= 1.10 for r in rows)
+    lines.append(f"calibrated pick within 10% of the best measured choice: {within}/{len(rows)}; "
+                 f"default constants: {default_within}/{len(rows)}")
+    lines.append("")
+    lines.append("calibrated constants: " + json.dumps(constants))
+    lines.append("default constants: " + json.dumps(default_constants))
+    return "\n".join(lines) + "\n"
+
+
+def replay(path):
+    """The built-in constants' picks on a recorded sweep (every choice was timed there)."""
+    from jax_sparse_mla import planner
+
+    data = json.load(open(path))
+    model = planner.CostModel()
+    device = planner.DEFAULT_CUDA_DEVICE
+    rows = []
+    for r in data["rows"]:
+        shape = (r["T"], r["H"], 576 if data.get("kv_format", "dsv3_2") != "dots3_swa" else 1088)
+        key, us, predicted = evaluate(r["measured"], shape, data.get("kv_format", "dsv3_2"), data.get("topk", 2048),
+                                      model, device)
+        if us is None:
+            raise SystemExit(f"T={r['T']} H={r['H']}: the default pick {key} was not timed in {path}")
+        rows.append({**r, "default_pick": key, "default_us": us, "default_predicted_us": predicted,
+                     "default_ratio": us / r["best_us"]})
+    print(table(data["device"], data.get("kv_format", "dsv3_2"), data.get("topk", 2048), rows, data["constants"],
+                model.to_dict()))
+    return 0 if all(r["default_ratio"] <= 1.10 for r in rows) else 1
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    if FLAGS.replay:
+        return replay(FLAGS.replay)
     os.environ.setdefault("JAX_SPARSE_MLA_CACHE_DIR", tempfile.mkdtemp())
     import jax_sparse_mla as jsm
-    from jax_sparse_mla import _measure, calibration, cuda_config, planner
+    from jax_sparse_mla import calibration, kernel_tables, planner
+    from jax_sparse_mla.timing import RandomCache
 
     device = planner.device_info("cuda")
 
     def progress(done, total, label):
         print(f"  calibrate [{done}/{total}] {label}", flush=True)
 
-    # Calibration shapes (T in _measure.CALIBRATION_TOKENS, H in 16/64/128) differ from the sweep's T.
+    # Calibration shapes (T in calibration.CALIBRATION_TOKENS, H in 16/64/128) differ from the sweep's T.
     constants = calibration.calibrate(formats=(FLAGS.kv_format,), topks=(FLAGS.topk,), force=True,
                                       progress=progress)
     print("calibrated:", json.dumps(constants), flush=True)
-    bench = _measure._Bench(FLAGS.kv_format, seed=1)
+    calibrated_model = planner.CostModel.from_dict(constants)
+    default_model = planner.CostModel()
+    cache = RandomCache(FLAGS.kv_format, seed=1)
     rows = []
     for heads in map(int, FLAGS.heads):
         for tokens in map(int, FLAGS.tokens):
-            tiles = [t for t in cuda_config.HEAD_TILES[FLAGS.kv_format] if t <= max(heads, 16)]
+            tiles = [t for t in kernel_tables.HEAD_TILES[FLAGS.kv_format] if t <= max(heads, 16)]
             choices = []
             for tile in tiles:
                 choices.append(("prefill", tile, 1))
-                choices += [("decode", tile, splits) for splits in (SPLITS_FEW_TOKENS if tokens <= 16 else SPLITS)]
-            # Two passes over all choices (fresh index sets each), averaged: run-to-run noise of one
-            # timing is several percent, more at T=1.
-            timings = {key: [] for key in choices}
+                choices += [("decode", tile, s) for s in (SPLITS_FEW_TOKENS if tokens <= 16 else SPLITS)]
+            timings = {}
             for _ in range(FLAGS.passes):
-                for key in choices:
-                    timings[key].append(bench.time(tokens, heads, FLAGS.topk, key[0], key[1], key[2]))
+                for variant, tile, splits in choices:
+                    _, splits = planner.split_layout(FLAGS.topk, splits)  # the count the plan really has
+                    timings.setdefault(choice_key(variant, tile, splits), []).append(
+                        calibration.time_choice(cache, tokens, heads, FLAGS.topk, variant, tile, splits))
             measured = {key: sum(v) / len(v) for key, v in timings.items()}
-            best_key = min(measured, key=measured.get)
             shape = (tokens, heads, jsm.get_format(FLAGS.kv_format).d_qk)
             picks = {}
-            for label, model in (("calibrated", None), ("default", planner.CostModel())):
-                p = jsm.plan(shape, FLAGS.kv_format, FLAGS.topk, platform="cuda", cost_model=model)
-                key = (p.variant, p.heads_per_block, p.num_splits)
-                if key not in measured:
-                    measured[key] = bench.time(tokens, heads, FLAGS.topk, p.variant, p.heads_per_block, p.num_splits)
-                picks[label] = (key, measured[key])
-            row = {"T": tokens, "H": heads, "best": list(best_key), "best_us": measured[best_key],
-                   "pick": list(picks["calibrated"][0]), "pick_us": picks["calibrated"][1],
-                   "ratio": picks["calibrated"][1] / measured[best_key],
-                   "default_pick": list(picks["default"][0]), "default_us": picks["default"][1],
-                   "measured": {f"{k[0]}/h{k[1]}/s{k[2]}": v for k, v in measured.items()}}
+            for label, model in (("calibrated", calibrated_model), ("default", default_model)):
+                key, us, predicted = evaluate(measured, shape, FLAGS.kv_format, FLAGS.topk, model, device)
+                if us is None:
+                    variant, tile, splits = key.split("/")
+                    us = measured[key] = calibration.time_choice(cache, tokens, heads, FLAGS.topk, variant,
+                                                                 int(tile[1:]), int(splits[1:]))
+                picks[label] = (key, us, predicted)
+            best_key = min(measured, key=measured.get)
+            row = {"T": tokens, "H": heads, "best": best_key, "best_us": measured[best_key],
+                   "pick": picks["calibrated"][0], "pick_us": picks["calibrated"][1],
+                   "pick_predicted_us": picks["calibrated"][2], "ratio": picks["calibrated"][1] / measured[best_key],
+                   "default_pick": picks["default"][0], "default_us": picks["default"][1],
+                   "default_predicted_us": picks["default"][2],
+                   "default_ratio": picks["default"][1] / measured[best_key], "measured": measured}
             rows.append(row)
             print(json.dumps(row), flush=True)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     with open(os.path.join(FLAGS.out_dir, "planner_sweep.json"), "w") as f:
-        json.dump({"device": device.name, "constants": constants, "rows": rows}, f, indent=1)
-    lines = [f"planner sweep on {device.name}, {FLAGS.kv_format}, topk={FLAGS.topk}",
-             "| T | H | best (variant/tile/splits) | best µs | planner pick | pick µs | pick/best | default pick | "
-             "default µs |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['T']} | {r['H']} | {'/'.join(map(str, r['best']))} | {r['best_us']:.1f} | "
-                     f"{'/'.join(map(str, r['pick']))} | {r['pick_us']:.1f} | {r['ratio']:.2f} | "
-                     f"{'/'.join(map(str, r['default_pick']))} | {r['default_us']:.1f} |")
-    within = sum(r["ratio"] <= 1.10 for r in rows)
-    lines.append(f"planner pick within 10% of the best measured choice: {within}/{len(rows)}")
-    lines.append("")
-    lines.append("\"default pick\" uses the planner's built-in constants; \"planner pick\" the calibrated ones:")
-    lines.append(json.dumps(constants))
+        json.dump({"device": device.name, "kv_format": FLAGS.kv_format, "topk": FLAGS.topk, "constants": constants,
+                   "default_constants": default_model.to_dict(), "rows": rows}, f, indent=1)
+    text = table(device.name, FLAGS.kv_format, FLAGS.topk, rows, constants, default_model.to_dict())
     with open(os.path.join(FLAGS.out_dir, "planner_sweep.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines))
+        f.write(text)
+    print("\n" + text)
     return 0
 
 

@@ -1,36 +1,39 @@
 # Source lists shared by CMakeLists.txt; tests/test_build_files.py keeps BUILD's lists identical.
 set(JSMLA_CPU_SOURCES
   kernels/cpu/sparse_mla_cpu.cc
+  kernels/cpu/sparse_mla_cpu_bwd.cc
   ffi/cpu_handlers.cc
+  ffi/cpu_backward_handler.cc
 )
 set(JSMLA_CPU_MODULE_SOURCES
   ffi/cpu_module.cc
 )
 set(JSMLA_CUDA_SOURCES
   kernels/cuda/combine.cu
-  kernels/cuda/portable/registry.cu
-  kernels/cuda/portable/instances/bf16_512_h16.cu
-  kernels/cuda/portable/instances/bf16_512_h64.cu
-  kernels/cuda/portable/instances/bf16_576_h16.cu
-  kernels/cuda/portable/instances/bf16_576_h64.cu
-  kernels/cuda/portable/instances/dots3_swa_h16.cu
-  kernels/cuda/portable/instances/dots3_swa_h32.cu
+  kernels/cuda/registry.cu
+  # generated CUDA instances (kernels/cuda/generate_kernels.py): begin
   kernels/cuda/portable/instances/dsv3_2_h16.cu
   kernels/cuda/portable/instances/dsv3_2_h64.cu
-  kernels/cuda/portable/instances/dsv4_1_h16.cu
-  kernels/cuda/portable/instances/dsv4_1_h64.cu
-  kernels/cuda/portable/instances/dsv4_h16.cu
-  kernels/cuda/portable/instances/dsv4_h64.cu
-  kernels/cuda/portable/instances/glm53_nope_h16.cu
-  kernels/cuda/portable/instances/glm53_nope_h64.cu
   kernels/cuda/portable/instances/glm_nsa_h16.cu
   kernels/cuda/portable/instances/glm_nsa_h64.cu
-  kernels/cuda/hopper/registry.cu
-  kernels/cuda/hopper/instances/bf16_512.cu
-  kernels/cuda/hopper/instances/bf16_576.cu
-  kernels/cuda/hopper/instances/dsv3_2.cu
-  kernels/cuda/hopper/instances/dsv4.cu
-  kernels/cuda/hopper/instances/dsv4_1.cu
+  kernels/cuda/portable/instances/glm53_nope_h16.cu
+  kernels/cuda/portable/instances/glm53_nope_h64.cu
+  kernels/cuda/portable/instances/dsv4_h16.cu
+  kernels/cuda/portable/instances/dsv4_h64.cu
+  kernels/cuda/portable/instances/dsv4_1_h16.cu
+  kernels/cuda/portable/instances/dsv4_1_h64.cu
+  kernels/cuda/portable/instances/dots3_swa_h16.cu
+  kernels/cuda/portable/instances/dots3_swa_h32.cu
+  kernels/cuda/portable/instances/bf16_576_h16.cu
+  kernels/cuda/portable/instances/bf16_576_h64.cu
+  kernels/cuda/portable/instances/bf16_512_h16.cu
+  kernels/cuda/portable/instances/bf16_512_h64.cu
+  kernels/cuda/hopper/instances/dsv3_2_h64.cu
+  kernels/cuda/hopper/instances/dsv4_h64.cu
+  kernels/cuda/hopper/instances/dsv4_1_h64.cu
+  kernels/cuda/hopper/instances/bf16_576_h64.cu
+  kernels/cuda/hopper/instances/bf16_512_h64.cu
+  # generated CUDA instances: end
   ffi/cuda_handlers.cu
 )
 set(JSMLA_CUDA_MODULE_SOURCES

@@ -1,26 +1,19 @@
 // Buffer/attribute decoding and checks shared by the CPU and CUDA handlers. Both targets bind exactly
-// the same operands and attributes (the attribute contract of the `_v1` target names).
+// the same operands and attributes (the contract of the versioned target name in target_name.h); the
+// backward target (backward_args.h) reuses the operand decoding.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <utility>
 
+#include "kernels/common/contract.h"
 #include "kernels/common/params.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jsmla::ffi_glue {
 
 namespace ffi = xla::ffi;
-
-// Decisions baked into the call by the planner (jax_sparse_mla/planner.py).
-struct PlanAttrs {
-  int32_t variant = 0;          // 0 reference (CPU), 1 decode (split-K + combine), 2 prefill
-  int32_t num_splits = 1;       // decode: candidate-list splits per token
-  int32_t split_size = 0;       // decode: candidates per split (multiple of the candidate tile)
-  int32_t heads_per_block = 0;  // head tile of the CUDA kernels
-  int32_t min_sm_count = 0;     // the plan assumed at least this many SMs (0 = no assumption)
-};
 
 struct CacheGeometry {
   int64_t page_size, num_pages, page_stride, row_stride;
@@ -61,31 +54,32 @@ inline std::string dims_text(ffi::AnyBuffer::Dimensions dims) {
   return text + "]";
 }
 
-// Decodes every operand into `params` and checks what the kernels rely on.
-inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const CacheGeometry& main_geometry,
-                                   const CacheGeometry& extra_geometry, ffi::Buffer<ffi::BF16> q,
-                                   ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
-                                   ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
-                                   ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
-                                   ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
-                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                                   const FormatTraits** format, AttentionParams* params) {
+// Decodes the operands of the attention (everything but its results) into `params` and checks what the
+// kernels rely on. The backward target (backward_args.h) takes the same operands.
+inline ffi::Error decode_operands(int32_t kv_format, int32_t extra_kv_format, float sm_scale,
+                                  const CacheGeometry& main_geometry, const CacheGeometry& extra_geometry,
+                                  ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
+                                  ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
+                                  ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
+                                  ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
+                                  const FormatTraits** format, AttentionParams* params) {
   if (kv_format < 0 || kv_format >= kNumFormats) {
     return ffi::Error::InvalidArgument("kv_format: unknown format id " + std::to_string(kv_format));
   }
   const FormatTraits& f = kFormatTable[kv_format];
   *format = &f;
   const auto q_dims = q.dimensions();
-  if (q_dims.size() != 3 || q_dims[2] != f.d_qk || q_dims[1] < 1 || q_dims[1] > 128) {
-    return ffi::Error::InvalidArgument("q: expected [T, H, " + std::to_string(f.d_qk) + "] with 1 <= H <= 128, got " +
-                                       dims_text(q_dims));
+  if (q_dims.size() != 3 || q_dims[2] != f.d_qk || q_dims[1] < kMinHeads || q_dims[1] > kMaxHeads) {
+    return ffi::Error::InvalidArgument("q: expected [T, H, " + std::to_string(f.d_qk) + "] with " +
+                                       std::to_string(kMinHeads) + " <= H <= " + std::to_string(kMaxHeads) +
+                                       ", got " + dims_text(q_dims));
   }
   const int64_t num_tokens = q_dims[0];
   const int64_t num_heads = q_dims[1];
   const auto index_dims = indices.dimensions();
-  if (index_dims.size() != 2 || index_dims[0] != num_tokens || index_dims[1] < 1) {
-    return ffi::Error::InvalidArgument("indices: expected [" + std::to_string(num_tokens) + ", topk >= 1], got " +
-                                       dims_text(index_dims));
+  if (index_dims.size() != 2 || index_dims[0] != num_tokens || index_dims[1] < kMinTopk) {
+    return ffi::Error::InvalidArgument("indices: expected [" + std::to_string(num_tokens) + ", topk >= " +
+                                       std::to_string(kMinTopk) + "], got " + dims_text(index_dims));
   }
   const auto extra_dims = extra_indices.dimensions();
   if (extra_dims.size() != 2 || extra_dims[0] != num_tokens) {
@@ -95,6 +89,15 @@ inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const Cach
   const bool has_extra = extra_dims[1] > 0;
   if (has_extra && !f.dual_cache) {
     return ffi::Error::InvalidArgument("extra_kv_cache: this format has no dual-cache form");
+  }
+  if (extra_kv_format < 0 || extra_kv_format >= kNumFormats) {
+    return ffi::Error::InvalidArgument("extra_kv_format: unknown format id " + std::to_string(extra_kv_format));
+  }
+  const FormatTraits& extra_f = kFormatTable[extra_kv_format];
+  if (has_extra && (!extra_f.dual_cache || extra_f.d_qk != f.d_qk || extra_f.d_v != f.d_v)) {
+    return ffi::Error::InvalidArgument("extra_kv_format: format " + std::to_string(extra_kv_format) +
+                                       " cannot be the extra cache of format " + std::to_string(kv_format) +
+                                       " (a dual-cache format of the same d_qk and d_v)");
   }
   auto count_ok = [](size_t count, int64_t expected) {
     return count == 0 || static_cast<int64_t>(count) == expected;
@@ -109,12 +112,6 @@ inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const Cach
   if (valid_tokens.element_count() != 1) {
     return ffi::Error::InvalidArgument("valid_tokens: expected [1]");
   }
-  const auto out_dims = out->dimensions();
-  const auto lse_dims = lse->dimensions();
-  if (out_dims.size() != 3 || out_dims[0] != num_tokens || out_dims[1] != num_heads || out_dims[2] != f.d_v ||
-      lse_dims.size() != 2 || lse_dims[0] != num_tokens || lse_dims[1] != num_heads) {
-    return ffi::Error::InvalidArgument("out/lse: result shapes do not match q and the format");
-  }
 
   AttentionParams& p = *params;
   p.q = reinterpret_cast<const uint16_t*>(q.typed_data());
@@ -125,28 +122,58 @@ inline ffi::Error decode_attention(int32_t kv_format, float sm_scale, const Cach
   p.main.topk = static_cast<int32_t>(index_dims[1]);
   p.main.topk_length = topk_length.element_count() ? topk_length.typed_data() : nullptr;
   p.main.max_candidates = f.max_candidates;
+  p.main.format = f.id;
   if (auto error = make_view(f, "kv_cache", kv_cache, main_geometry, &p.main.cache); error.failure()) return error;
   p.extra = CandidateList{};
   if (has_extra) {
     p.extra.indices = extra_indices.typed_data();
     p.extra.topk = static_cast<int32_t>(extra_dims[1]);
     p.extra.topk_length = extra_topk_length.element_count() ? extra_topk_length.typed_data() : nullptr;
-    p.extra.max_candidates = f.max_candidates;
-    if (auto error = make_view(f, "extra_kv_cache", extra_kv_cache, extra_geometry, &p.extra.cache);
+    p.extra.max_candidates = extra_f.max_candidates;
+    p.extra.format = extra_f.id;
+    if (auto error = make_view(extra_f, "extra_kv_cache", extra_kv_cache, extra_geometry, &p.extra.cache);
         error.failure()) {
       return error;
     }
   }
   p.attn_sink = attn_sink.element_count() ? attn_sink.typed_data() : nullptr;
   p.valid_tokens = valid_tokens.typed_data();
-  p.out = reinterpret_cast<uint16_t*>(out->typed_data());
-  p.lse = lse->typed_data();
   return ffi::Error::Success();
 }
 
-// Adds the shared operands, results and attributes to a binding (after any context arguments).
+// Decodes every operand and result of the forward call into `params` and checks what the kernels rely on.
+inline ffi::Error decode_attention(int32_t kv_format, int32_t extra_kv_format, float sm_scale,
+                                   const CacheGeometry& main_geometry,
+                                   const CacheGeometry& extra_geometry, ffi::Buffer<ffi::BF16> q,
+                                   ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
+                                   ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
+                                   ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
+                                   ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
+                                   ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                   const FormatTraits** format, AttentionParams* params) {
+  if (auto error = decode_operands(kv_format, extra_kv_format, sm_scale, main_geometry, extra_geometry, q,
+                                   kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                                   extra_topk_length, valid_tokens, format, params);
+      error.failure()) {
+    return error;
+  }
+  const auto out_dims = out->dimensions();
+  const auto lse_dims = lse->dimensions();
+  const int64_t num_tokens = params->num_tokens;
+  const int64_t num_heads = params->num_heads;
+  if (out_dims.size() != 3 || out_dims[0] != num_tokens || out_dims[1] != num_heads ||
+      out_dims[2] != (*format)->d_v || lse_dims.size() != 2 || lse_dims[0] != num_tokens ||
+      lse_dims[1] != num_heads) {
+    return ffi::Error::InvalidArgument("out/lse: result shapes do not match q and the format");
+  }
+  params->out = reinterpret_cast<uint16_t*>(out->typed_data());
+  params->lse = lse->typed_data();
+  return ffi::Error::Success();
+}
+
+// Adds the call's operands to a binding (after any context arguments): the forward's and the backward's.
 template <typename Binding>
-auto bind_attention(Binding binding) {
+auto bind_operands(Binding&& binding) {
   return std::move(binding).template Arg<ffi::Buffer<ffi::BF16>>()  // q
       .template Arg<ffi::AnyBuffer>()                      // kv_cache
       .template Arg<ffi::Buffer<ffi::S32>>()               // indices
@@ -155,11 +182,14 @@ auto bind_attention(Binding binding) {
       .template Arg<ffi::AnyBuffer>()                      // extra_kv_cache
       .template Arg<ffi::Buffer<ffi::S32>>()               // extra_indices ([T, extra_topk])
       .template Arg<ffi::Buffer<ffi::S32>>()               // extra_topk_length ([T] or [0])
-      .template Arg<ffi::Buffer<ffi::S32>>()               // valid_tokens ([1])
-      .template Ret<ffi::Buffer<ffi::BF16>>()              // out
-      .template Ret<ffi::Buffer<ffi::F32>>()               // lse
-      .template Ret<ffi::Buffer<ffi::U8>>()                // workspace
-      .template Attr<int32_t>("kv_format")
+      .template Arg<ffi::Buffer<ffi::S32>>();              // valid_tokens ([1])
+}
+
+// Adds the formats, the softmax scale and both caches' geometry attributes (after the results).
+template <typename Binding>
+auto bind_cache_attributes(Binding&& binding) {
+  return std::move(binding).template Attr<int32_t>("kv_format")
+      .template Attr<int32_t>("extra_kv_format")
       .template Attr<float>("sm_scale")
       .template Attr<int64_t>("page_size")
       .template Attr<int64_t>("num_pages")
@@ -168,12 +198,20 @@ auto bind_attention(Binding binding) {
       .template Attr<int64_t>("extra_page_size")
       .template Attr<int64_t>("extra_num_pages")
       .template Attr<int64_t>("extra_page_stride")
-      .template Attr<int64_t>("extra_row_stride")
+      .template Attr<int64_t>("extra_row_stride");
+}
+
+// The forward target's binding: the operands, out/lse/workspace, the cache attributes and the plan.
+template <typename Binding>
+auto bind_attention(Binding&& binding) {
+  return bind_cache_attributes(bind_operands(std::forward<Binding>(binding))
+                                   .template Ret<ffi::Buffer<ffi::BF16>>()   // out
+                                   .template Ret<ffi::Buffer<ffi::F32>>()    // lse
+                                   .template Ret<ffi::Buffer<ffi::U8>>())    // workspace
       .template Attr<int32_t>("variant")
       .template Attr<int32_t>("num_splits")
       .template Attr<int32_t>("split_size")
-      .template Attr<int32_t>("heads_per_block")
-      .template Attr<int32_t>("min_sm_count");
+      .template Attr<int32_t>("heads_per_block");
 }
 
 }  // namespace jsmla::ffi_glue

@@ -2,6 +2,7 @@
 #include "ffi/cpu_handlers.h"
 
 #include "ffi/attention_args.h"
+#include "kernels/common/contract.h"
 #include "kernels/cpu/sparse_mla_cpu.h"
 
 namespace jsmla::ffi_glue {
@@ -12,19 +13,21 @@ ffi::Error SparseMlaCpu(ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cache, ffi::
                         ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
                         ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
                         ffi::Result<ffi::Buffer<ffi::BF16>> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                        ffi::Result<ffi::Buffer<ffi::U8>> /*workspace*/, int32_t kv_format, float sm_scale,
+                        ffi::Result<ffi::Buffer<ffi::U8>> /*workspace*/, int32_t kv_format,
+                        int32_t extra_kv_format, float sm_scale,
                         int64_t page_size, int64_t num_pages, int64_t page_stride, int64_t row_stride,
                         int64_t extra_page_size, int64_t extra_num_pages, int64_t extra_page_stride,
                         int64_t extra_row_stride, int32_t variant, int32_t /*num_splits*/, int32_t /*split_size*/,
-                        int32_t /*heads_per_block*/, int32_t /*min_sm_count*/) {
-  if (variant != 0) {
-    return ffi::Error::InvalidArgument("variant: the CPU target runs only the reference variant (0), got " +
+                        int32_t /*heads_per_block*/) {
+  if (variant != static_cast<int32_t>(Variant::kReference)) {
+    return ffi::Error::InvalidArgument("variant: the CPU target runs only the reference variant (" +
+                                       std::to_string(static_cast<int32_t>(Variant::kReference)) + "), got " +
                                        std::to_string(variant));
   }
   const FormatTraits* format = nullptr;
   AttentionParams params;
   ffi::Error error = decode_attention(
-      kv_format, sm_scale, {page_size, num_pages, page_stride, row_stride},
+      kv_format, extra_kv_format, sm_scale, {page_size, num_pages, page_stride, row_stride},
       {extra_page_size, extra_num_pages, extra_page_stride, extra_row_stride}, q, kv_cache, indices, topk_length,
       attn_sink, extra_kv_cache, extra_indices, extra_topk_length, valid_tokens, out, lse, &format, &params);
   if (error.failure()) return error;

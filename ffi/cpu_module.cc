@@ -1,18 +1,18 @@
-// The CPU extension module: FFI handler capsules plus the C++ format table (for the layout test).
+// The CPU extension module: the FFI handler capsules (forward and backward) and their target names, the
+// C++ format table (for the layout test) and the CUDA kernel tables (kernels/cuda/kernel_table.h) as plain
+// data, so the planner can plan for CUDA on a host without a GPU or a CUDA build.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
 #include "ffi/cpu_handlers.h"
+#include "ffi/target_name.h"
+#include "kernels/common/contract.h"
 #include "kernels/common/formats.h"
+#include "kernels/cuda/kernel_table.h"
 
 namespace nb = nanobind;
 
 namespace {
-
-template <typename Fn>
-nb::capsule handler_capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
 
 nb::dict format_entry(const jsmla::FormatTraits& f) {
   nb::dict d;
@@ -22,7 +22,8 @@ nb::dict format_entry(const jsmla::FormatTraits& f) {
   d["d_qk"] = f.d_qk;
   d["d_v"] = f.d_v;
   d["bytes_per_token"] = f.bytes_per_token;
-  d["fp8_dim"] = f.fp8_dim;
+  d["quant_dim"] = f.quant_dim;
+  d["quant_bits"] = f.quant_bits;
   d["bf16_dim"] = f.bf16_dim;
   d["group_size"] = f.group_size;
   d["num_groups"] = f.num_groups;
@@ -36,13 +37,50 @@ nb::dict format_entry(const jsmla::FormatTraits& f) {
   return d;
 }
 
+const char* family_name(jsmla::cuda::Family family) {
+  return family == jsmla::cuda::Family::kHopper ? "hopper" : "portable";
+}
+
+nb::dict kernel_tables() {
+  namespace cuda = jsmla::cuda;
+  using jsmla::Variant;
+  nb::dict variants;
+  variants["reference"] = static_cast<int>(Variant::kReference);
+  variants["decode"] = static_cast<int>(Variant::kDecode);
+  variants["prefill"] = static_cast<int>(Variant::kPrefill);
+  nb::list kernels;
+  for (const cuda::KernelShape& k : cuda::kKernelShapes) {
+    nb::dict entry;
+    entry["family"] = family_name(k.family);
+    entry["kv_format"] = static_cast<int>(k.format);
+    entry["heads_per_block"] = k.heads_per_block;
+    entry["threads"] = k.threads;
+    entry["candidate_tile"] = k.candidate_tile;
+    entry["shared_bytes"] = k.shared_bytes;
+    kernels.append(entry);
+  }
+  nb::dict d;
+  d["variants"] = variants;
+  d["min_heads"] = jsmla::kMinHeads;
+  d["max_heads"] = jsmla::kMaxHeads;
+  d["min_topk"] = jsmla::kMinTopk;
+  d["split_granule"] = cuda::kSplitGranule;
+  d["min_compute_capability"] = cuda::kMinComputeCapability;
+  d["hopper_compute_capability"] = cuda::kHopperComputeCapability;
+  d["kernels"] = kernels;
+  return d;
+}
+
 }  // namespace
 
 NB_MODULE(_cpu_ext, m) {
-  m.doc() = "jax_sparse_mla CPU XLA FFI handlers";
+  m.doc() = "jax_sparse_mla CPU XLA FFI handlers and kernel tables";
+  m.attr("FORWARD_TARGET") = jsmla::ffi_glue::kTargetName;
+  m.attr("BACKWARD_TARGET") = jsmla::ffi_glue::kBackwardTargetName;
   m.def("registrations", []() {
     nb::dict d;
-    d["jax_sparse_mla_fwd_v1"] = handler_capsule(JsmlaSparseMlaCpu);
+    d[jsmla::ffi_glue::kTargetName] = nb::capsule(reinterpret_cast<void*>(JsmlaSparseMlaCpu));
+    d[jsmla::ffi_glue::kBackwardTargetName] = nb::capsule(reinterpret_cast<void*>(JsmlaSparseMlaBackwardCpu));
     return d;
   });
   m.def("format_table", []() {
@@ -50,4 +88,24 @@ NB_MODULE(_cpu_ext, m) {
     for (const auto& f : jsmla::kFormatTable) table.append(format_entry(f));
     return table;
   });
+  m.def("kernel_tables", &kernel_tables, "The CUDA kernel tables and call-contract limits as plain data.");
+  m.def(
+      "workspace_bytes",
+      [](int64_t num_splits, int64_t num_tokens, int64_t num_heads, int64_t d_v) {
+        return jsmla::cuda::SplitWorkspace::bytes(num_splits, num_tokens, num_heads, d_v);
+      },
+      nb::arg("num_splits"), nb::arg("num_tokens"), nb::arg("num_heads"), nb::arg("d_v"),
+      "Bytes of a decode call's split workspace.");
+  m.def(
+      "kernel_family",
+      [](int format_id, int heads_per_block, int capability, int max_shared_bytes, bool hopper_compiled) {
+        if (format_id < 0 || format_id >= jsmla::kNumFormats) throw nb::value_error("unknown format id");
+        return family_name(jsmla::cuda::choose_family(static_cast<jsmla::FormatId>(format_id), heads_per_block,
+                                                      capability, max_shared_bytes, hopper_compiled,
+                                                      jsmla::cuda::hopper_allowed_by_environment()));
+      },
+      nb::arg("format_id"), nb::arg("heads_per_block"), nb::arg("capability"), nb::arg("max_shared_bytes"),
+      nb::arg("hopper_compiled"),
+      "The CUDA family that runs a plan's (format, head tile) on a device, as the CUDA handler chooses it "
+      "(JSMLA_CUDA_FAMILY read now).");
 }

@@ -1,141 +1,191 @@
-"""Device calibration: measured cost-model constants stored in a JSON file (SPEC §6).
+"""Device calibration: times the CUDA kernels on the local GPU and fits the planner's cost model.
 
-The file lives at ``$JAX_SPARSE_MLA_CACHE_DIR/calibration.json`` (default
-``$XDG_CACHE_HOME/jax_sparse_mla`` or ``~/.cache/jax_sparse_mla``) and holds, per device name, the
-constants of :class:`jax_sparse_mla.planner.CostModel` that :func:`calibrate` measured.
-
-- Writes are atomic (a temporary file in the same directory, then ``os.replace``) and serialised with
-  an exclusive ``fcntl`` lock on a sibling ``.lock`` file, so concurrent calibrations never corrupt it.
-- Reads are cheap: the file is parsed only when its change token (inode, size, mtime) differs from the
-  last one seen. A file with an unknown or old schema, or one that does not parse, is ignored and its
-  token remembered as stale, so it is not re-parsed on every trace; a changed file is read again.
-- Calibration never runs implicitly, and refuses to run inside a ``jax.jit`` trace.
+:func:`calibrate` times forced plans (:mod:`jax_sparse_mla.timing`'s method) for every calibration
+shape — token counts :data:`CALIBRATION_TOKENS` × the requested head counts and candidate counts, every
+choice the planner has (prefill and a range of decode split counts, per instantiated head tile) — fits
+all constants of :class:`jax_sparse_mla.planner.CostModel` at once by least squares on the logarithm
+of the time (relative error), with a small Nelder–Mead search started from the defaults, and stores
+them in the calibration file (:mod:`jax_sparse_mla.calibration_store`). Calibration never runs
+implicitly, and refuses to run inside a ``jax.jit`` trace.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
-import os
+import dataclasses
 import pathlib
-import tempfile
-import threading
 from typing import Callable, Iterable, Optional
 
-__all__ = ["SCHEMA_VERSION", "ENV_CACHE_DIR", "cache_dir", "calibration_path", "load", "device_constants",
-           "store", "calibrate"]
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-#: Version of the file layout and of the constants' meaning; other versions are ignored.
-SCHEMA_VERSION = 1
-#: Environment variable overriding the directory of the calibration file.
-ENV_CACHE_DIR = "JAX_SPARSE_MLA_CACHE_DIR"
-_FILE_NAME = "calibration.json"
+from . import _ffi, calibration_store, kernel_tables, planner, validate
+from .formats import get_format
+from .timing import RandomCache, median_step_seconds
 
-_lock = threading.Lock()
-_cache: dict = {"path": None, "token": None, "devices": {}}
+__all__ = ["calibrate", "CALIBRATION_TOKENS", "calibration_choices", "forced_plan", "time_plan", "time_choice",
+           "fit_cost_model", "measure_cost_model"]
 
-
-def cache_dir() -> pathlib.Path:
-    """The directory of the calibration file (see the module docstring)."""
-    override = os.environ.get(ENV_CACHE_DIR)
-    if override:
-        return pathlib.Path(override)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "jax_sparse_mla"
+_STEPS = 8
+#: Steps per timed call for T <= 16, where a step is short enough that the host's per-call dispatch
+#: would otherwise set the pace of the queued calls (the benchmark harness does the same).
+_SMALL_STEPS = 32
+_REPEATS = 7
 
 
-def calibration_path() -> pathlib.Path:
-    """The calibration file's path."""
-    return cache_dir() / _FILE_NAME
+def time_plan(plan, problem, q, cache, indices_sets) -> float:
+    """Median µs per call of one forced plan (indices_sets: int32 [steps, T, topk])."""
+
+    @jax.jit
+    def run(q, cache, indices_sets):
+        def step(carry, indices):
+            out, _ = _ffi.call(plan, problem, q, cache, indices, None, None, None, None, None,
+                               jnp.int32(problem.num_tokens))
+            return carry + jnp.sum(out[:, :1, :8].astype(jnp.float32)), None
+
+        total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), indices_sets, unroll=True)
+        return total
+
+    median, _, _ = median_step_seconds(run, (q, cache, indices_sets), indices_sets.shape[0], _REPEATS)
+    return median * 1e6
 
 
-def _change_token(path: pathlib.Path):
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
+def forced_plan(problem, variant: str, heads_per_block: int, num_splits: int = 1):
+    """A CUDA plan with the given choices (bypassing the cost model)."""
+    base = planner.plan((problem.num_tokens, problem.num_heads, problem.fmt.d_qk), problem.fmt, problem.topk,
+                        platform="cuda", impl="prefill")
+    candidates = problem.topk
+    split_size, num_splits = planner.split_layout(candidates, num_splits)
+    workspace = (kernel_tables.workspace_bytes(num_splits, problem.num_tokens, problem.num_heads, problem.fmt.d_v)
+                 if variant == "decode" else 0)
+    return dataclasses.replace(base, variant=variant, heads_per_block=heads_per_block, num_splits=num_splits,
+                               split_size=split_size if variant == "decode" else candidates,
+                               workspace_bytes=workspace, reason="forced", predicted_us=None)
 
 
-def _parse(text: str) -> Optional[dict]:
-    """The per-device entries of a file's text, or None when it is not a current-schema file."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA_VERSION or not isinstance(data.get("devices"), dict):
-        return None
-    return data["devices"]
+def time_choice(cache: RandomCache, tokens: int, heads: int, topk: int, variant: str, heads_per_block: int,
+                num_splits: int = 1) -> float:
+    """Median µs per call of one planner choice on fresh random queries and index sets over ``cache``."""
+    q = cache.query(tokens, heads)
+    indices = cache.index_sets(_SMALL_STEPS if tokens <= 16 else _STEPS, tokens, topk)
+    problem = validate.normalize(q, cache.cache, indices[0], kv_format=cache.fmt, sm_scale=cache.fmt.d_qk ** -0.5)
+    plan = forced_plan(problem, variant, heads_per_block, num_splits)
+    return time_plan(plan, problem, q, cache.cache, indices)
 
 
-def load(path: Optional[pathlib.Path] = None) -> dict:
-    """Per-device entries of the calibration file (empty when missing, corrupt or of another schema).
-
-    Parses the file only when its change token differs from the last one seen.
-    """
-    path = pathlib.Path(path) if path is not None else calibration_path()
-    token = _change_token(path)
-    with _lock:
-        if _cache["path"] == path and _cache["token"] == token:
-            return _cache["devices"]
-    devices = {}
-    if token is not None:
-        try:
-            devices = _parse(path.read_text()) or {}
-        except OSError:
-            devices = {}
-    with _lock:
-        _cache.update(path=path, token=token, devices=devices)
-    return devices
+#: Token counts of the calibration shapes (the planner sweep checks the fit on other shapes).
+CALIBRATION_TOKENS = (4, 32, 256)
+#: Constants the fit adjusts, with how each is kept in range (log, log of (x - 1), logit).
+_FIT_PARAMETERS = (("launch_us", "log"), ("block_us", "log"), ("dequant_ns", "log"), ("mma_ns_per_head", "log"),
+                   ("co_residency_gain", "log1"), ("combine_gbps", "log"), ("tail", "logit"))
 
 
-def device_constants(device_name: str, path: Optional[pathlib.Path] = None) -> Optional[dict]:
-    """The calibrated constants of ``device_name``, or None when it was never calibrated."""
-    entry = load(path).get(device_name)
-    return None if entry is None else entry.get("constants")
+def calibration_choices(tokens: int, heads: int, kv_format: str):
+    """(variant, head tile, splits) timed for one calibration shape."""
+    # Few tokens: the planner's whole split range (the combine of 48-64 splits is not extrapolated).
+    splits = (2, 4, 8) if tokens >= 256 else (2, 4, 8, 16) if tokens > 4 else (2, 4, 8, 16, 32, 64)
+    for tile in kernel_tables.HEAD_TILES[kv_format]:
+        if tile > max(heads, kernel_tables.HEAD_TILES[kv_format][0]):
+            continue
+        yield ("prefill", tile, 1)
+        for s in splits:
+            yield ("decode", tile, s)
 
 
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path):
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+#: Starting points of the fit: the built-in defaults and a point with every term active.
+_FIT_STARTS = (planner.CostModel(),
+               planner.CostModel(launch_us=10.0, block_us=1.0, dequant_ns=80.0, mma_ns_per_head=0.5,
+                                 co_residency_gain=1.5, combine_gbps=1500.0, tail=0.2))
 
 
-def store(device_name: str, constants: dict, path: Optional[pathlib.Path] = None, **metadata) -> None:
-    """Atomically records ``constants`` for ``device_name``, keeping other devices' entries.
+def _encode(model: planner.CostModel) -> np.ndarray:
+    values = []
+    for name, kind in _FIT_PARAMETERS:
+        v = getattr(model, name)
+        values.append(np.log(max(v - 1.0, 1e-6)) if kind == "log1" else
+                      np.log(max(v, 1e-6) / max(1.0 - v, 1e-6)) if kind == "logit" else np.log(max(v, 1e-9)))
+    return np.array(values)
 
-    An existing file of another schema (or a corrupt one) is replaced by a current-schema file.
-    """
-    path = pathlib.Path(path) if path is not None else calibration_path()
-    with _file_lock(path):
-        devices = {}
-        if path.exists():
-            devices = _parse(path.read_text()) or {}
-        devices[device_name] = {
-            "constants": constants,
-            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            **metadata,
-        }
-        payload = json.dumps({"schema": SCHEMA_VERSION, "devices": devices}, indent=1, sort_keys=True)
-        fd, tmp = tempfile.mkstemp(prefix=".calibration.", dir=str(path.parent))
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+
+def _decode(x: np.ndarray) -> planner.CostModel:
+    values = {}
+    for (name, kind), v in zip(_FIT_PARAMETERS, x):
+        v = float(np.clip(v, -40.0, 40.0))
+        values[name] = 1.0 + np.exp(v) if kind == "log1" else 1.0 / (1.0 + np.exp(-v)) if kind == "logit" else np.exp(v)
+    return planner.CostModel(**values)
+
+
+def _nelder_mead(f, x0: np.ndarray, iterations: int = 3000, step: float = 0.5) -> np.ndarray:
+    """Minimises f from x0 (deterministic simplex search; enough for a handful of parameters)."""
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = np.argsort(values)
+        simplex = [simplex[i] for i in order]
+        values = [values[i] for i in order]
+        if values[-1] - values[0] < 1e-10:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        reflected = centroid + (centroid - simplex[-1])
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2.0 * (centroid - simplex[-1])
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (simplex[-1] - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                simplex = [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex]
+                values = [f(x) for x in simplex]
+    return simplex[int(np.argmin(values))]
+
+
+def fit_cost_model(samples, device) -> planner.CostModel:
+    """Least-squares fit (log time) of the model to ``samples``: (kv_format, tokens, heads, candidates,
+    variant, head tile, splits, measured µs) tuples."""
+
+    def loss(x):
+        model = _decode(x)
+        total = 0.0
+        for kv_format, tokens, heads, candidates, variant, tile, splits, measured in samples:
+            predicted = planner.option_us(model, get_format(kv_format), tokens, heads, candidates, variant, tile,
+                                          splits, device)
+            total += (np.log(predicted) - np.log(measured)) ** 2
+        return total
+
+    results = []
+    for start in _FIT_STARTS:  # the simplex search is local: start from the defaults and a neutral point
+        x = _encode(start)
+        for _ in range(3):  # restarts around the best point so far
+            x = _nelder_mead(loss, x)
+        results.append((loss(x), tuple(x)))
+    return _decode(np.array(min(results)[1]))
+
+
+def measure_cost_model(device, *, formats, heads, topks, progress: Optional[Callable] = None) -> dict:
+    """Times the calibration shapes on the local device and returns the fitted constants as a dict."""
+    shapes = [(kv_format, tokens, h, topk) for kv_format in formats for topk in topks
+              for h in heads for tokens in CALIBRATION_TOKENS]
+    total = sum(len(list(calibration_choices(t, h, f))) for f, t, h, _ in shapes)
+    done = 0
+    samples = []
+    caches = {}
+    for kv_format, tokens, h, topk in shapes:
+        cache = caches.setdefault(kv_format, RandomCache(kv_format))
+        for variant, tile, splits in calibration_choices(tokens, h, kv_format):
+            measured = time_choice(cache, tokens, h, topk, variant, tile, splits)
+            samples.append((kv_format, tokens, h, topk, variant, tile, splits, measured))
+            done += 1
+            if progress is not None:
+                progress(done, total, f"{kv_format} T={tokens} H={h} topk={topk} {variant} tile {tile}"
+                                      + (f" x{splits}" if variant == "decode" else ""))
+    return fit_cost_model(samples, device).to_dict()
 
 
 def _inside_trace() -> bool:
@@ -156,7 +206,7 @@ def calibrate(*, formats: Iterable[str] = ("dsv3_2",), heads: Iterable[int] = (1
         counts and token counts; a few seconds each).
       force: re-measure even when the device already has constants.
       progress: called as ``progress(done, total, label)`` after each measurement (the CLI draws a bar).
-      path: the calibration file (default :func:`calibration_path`).
+      path: the calibration file (default :func:`jax_sparse_mla.calibration_store.calibration_path`).
     Returns:
       The constants stored for the device.
     Raises:
@@ -164,19 +214,16 @@ def calibrate(*, formats: Iterable[str] = ("dsv3_2",), heads: Iterable[int] = (1
     """
     if _inside_trace():
         raise RuntimeError("calibrate() measures the device and cannot run inside a jax.jit trace")
-    from . import _ffi, planner
-    from ._measure import measure_cost_model
-
     if not _ffi.cuda_available():
         raise RuntimeError(f"calibrate() needs the CUDA extension: {_ffi.cuda_import_error()}")
     device = planner.device_info("cuda")
     if device is planner.DEFAULT_CUDA_DEVICE:
         raise RuntimeError("calibrate() needs a local CUDA device")
-    existing = device_constants(device.name, path)
+    existing = calibration_store.device_constants(device.name, path)
     if existing is not None and not force:
         return existing
     constants = measure_cost_model(device, formats=tuple(formats), heads=tuple(heads), topks=tuple(topks),
                                    progress=progress)
-    store(device.name, constants, path)
+    calibration_store.store(device.name, constants, path)
     planner.clear_cache()
     return constants

@@ -1,8 +1,9 @@
-"""``jax.export`` support: the safety checks the library's custom calls need disabled (SPEC §7).
+"""``jax.export`` support: the safety checks the library's custom calls need disabled (docs/sharding_and_export.md).
 
 ``jax.export`` refuses to serialise custom calls that are not on JAX's list of targets with a stability
-guarantee. The library gives that guarantee itself: its FFI target name is versioned
-(``jax_sparse_mla._ffi.TARGET``, e.g. ``jax_sparse_mla_fwd_v1``) and a changed attribute contract gets a
+guarantee. The library gives that guarantee itself: its FFI target names are versioned
+(``jax_sparse_mla._ffi.TARGET``, e.g. ``jax_sparse_mla_fwd_v2``, and the backward's
+``jax_sparse_mla._ffi.BACKWARD_TARGET``, ``jax_sparse_mla_bwd_v1``) and a changed attribute contract gets a
 new name, so a serialised program keeps loading with later versions of the library that still register
 the old name. Pass :func:`disabled_checks` to ``jax.export.export``, or use :func:`export`.
 
@@ -22,7 +23,7 @@ from typing import Optional, Sequence
 
 import jax
 
-from ._ffi import TARGET
+from ._ffi import BACKWARD_TARGET, TARGET
 
 __all__ = ["disabled_checks", "export"]
 
@@ -34,7 +35,7 @@ def disabled_checks() -> list:
       A list to pass as ``jax.export.export(..., disabled_checks=disabled_checks())``; concatenate it with
       your own entries if the program has other custom calls.
     """
-    return [jax.export.DisabledSafetyCheck.custom_call(TARGET)]
+    return [jax.export.DisabledSafetyCheck.custom_call(target) for target in (TARGET, BACKWARD_TARGET)]
 
 
 def export(fn, *args, platforms: Optional[Sequence[str]] = None, extra_disabled_checks: Sequence = (), **kwargs):

@@ -1,4 +1,4 @@
-"""KV-cache formats: the byte layouts of SPEC §3 and pure-JAX quantize / update / dequantize.
+"""KV-cache formats: the byte layouts (docs/formats.md) and pure-JAX quantize / update / dequantize.
 
 Every format is a :class:`KVFormat` registered under a string key. The C++ header
 ``kernels/common/formats.h`` holds the same table for the kernels; ``tests/test_formats.py`` checks
@@ -28,6 +28,7 @@ __all__ = [
     "CacheLayout",
     "cache_layout",
     "quantize_kv",
+    "quantize_query_fp8",
     "update_kv",
     "dequantize_kv",
     "encode_rows",
@@ -39,7 +40,7 @@ __all__ = [
 class Layout(enum.IntEnum):
     """How a token's bytes are arranged (values match ``jsmla::Layout``)."""
 
-    INLINE = 0  # each row holds fp8 values, scales and bf16 lanes
+    INLINE = 0  # each row holds the quantized values, scales and bf16 lanes
     FOOTER = 1  # a page holds all data rows, then all scale rows
     BF16 = 2  # unquantized bfloat16 rows
 
@@ -50,14 +51,43 @@ class ScaleKind(enum.IntEnum):
     NONE = 0
     FP32 = 1  # little-endian float32 per group
     UE8M0 = 2  # one exponent byte per group: 2^(b-127)
+    E4M3 = 3  # one float8_e4m3fn byte per group
 
 
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
-    """Byte layout of one KV-cache format.
+    """Byte layout of one KV-cache format (docs/formats.md).
 
-    Attributes mirror ``jsmla::FormatTraits``. K of a token is ``fp8_dim`` FP8 lanes (dequantized
-    by their group's scale) followed by ``bf16_dim`` BF16 lanes; V is the first ``d_v`` lanes of K.
+    K of a token is ``quant_dim`` quantized lanes (FP8 or FP4, dequantized by their group's scale) followed
+    by ``bf16_dim`` BF16 lanes; V is the first ``d_v`` lanes of K. The fields mirror the kernels'
+    ``jsmla::FormatTraits``.
+
+    Attributes:
+      key: the format's name, e.g. ``"dsv3_2"``.
+      id: the format's number in the kernels' table.
+      layout: ``Layout.INLINE`` (self-contained rows), ``Layout.FOOTER`` (a page's data rows, then its
+        scale rows) or ``Layout.BF16`` (unquantized rows).
+      scale_kind: ``ScaleKind.FP32`` (little-endian float32 per group), ``ScaleKind.UE8M0`` (one
+        exponent byte per group), ``ScaleKind.E4M3`` (one float8_e4m3fn byte per group) or
+        ``ScaleKind.NONE``.
+      d_qk: query/key width in lanes.
+      d_v: value/output width in lanes.
+      bytes_per_token: bytes one token occupies (inline: the payload, before any row padding).
+      quant_dim: quantized lanes of K (the first lanes).
+      quant_bits: 8 (FP8 e4m3, a byte a lane), 4 (FP4 e2m1, two lanes a byte, lane ``2i`` in the low
+        nibble of byte ``i``) or 0 (no quantized lanes).
+      bf16_dim: BF16 lanes of K after the quantized lanes (the rope lanes; all lanes for ``bf16_*``).
+      group_size: quantized lanes per scale (0 without scales).
+      num_groups: scales per token.
+      data_row_bytes: bytes of a token's data row (inline and bf16: the whole payload).
+      scale_offset: byte offset of the first scale in the row that holds the scales (inline: the data
+        row; footer: the scale row).
+      scale_row_bytes: bytes of a footer scale row (0 for the other layouts).
+      bf16_offset: byte offset of the BF16 lanes in the data row.
+      max_candidates: the candidate window per query row (0: none; 513 for ``dots3_swa``).
+      pow2_scales: the scales are powers of two.
+      dual_cache: the format has a dual-cache form (``extra_kv_cache``).
+      description: one line about the format.
     """
 
     key: str
@@ -67,7 +97,8 @@ class KVFormat:
     d_qk: int
     d_v: int
     bytes_per_token: int
-    fp8_dim: int
+    quant_dim: int
+    quant_bits: int
     bf16_dim: int
     group_size: int
     num_groups: int
@@ -82,47 +113,83 @@ class KVFormat:
 
     @property
     def quantized(self) -> bool:
-        """True for the FP8 formats (uint8 caches), False for ``bf16_*``."""
+        """True for the FP8 and FP4 formats (uint8 caches), False for ``bf16_*``."""
         return self.layout != Layout.BF16
 
     @property
     def scale_bytes(self) -> int:
-        """Bytes of one group scale (4 for FP32, 1 for UE8M0, 0 without scales)."""
-        return {ScaleKind.NONE: 0, ScaleKind.FP32: 4, ScaleKind.UE8M0: 1}[self.scale_kind]
+        """Bytes of one group scale (4 for FP32, 1 for UE8M0 and E4M3, 0 without scales)."""
+        return {ScaleKind.NONE: 0, ScaleKind.FP32: 4, ScaleKind.UE8M0: 1, ScaleKind.E4M3: 1}[self.scale_kind]
+
+    @property
+    def quant_bytes(self) -> int:
+        """Bytes of the quantized lanes at the start of a (data) row."""
+        return self.quant_dim * self.quant_bits // 8
 
     def __str__(self) -> str:
         return self.key
 
 
-def _fmt(key, id, layout, scale, d_qk, d_v, bpt, fp8, bf16, group, data, soff, srow, b16off, maxc, pow2, dual,
-         description):
-    return KVFormat(key, id, Layout(layout), ScaleKind(scale), d_qk, d_v, bpt, fp8, bf16, group,
-                    fp8 // group if group else 0, data, soff, srow, b16off, maxc, pow2, dual, description)
+def _format(*, quant_dim: int, group_size: int, **fields) -> KVFormat:
+    """A :class:`KVFormat` from its fields; ``num_groups`` follows from the quantized lanes and the group size."""
+    return KVFormat(quant_dim=quant_dim, group_size=group_size,
+                    num_groups=quant_dim // group_size if group_size else 0, **fields)
 
 
-_I, _F, _B = Layout.INLINE, Layout.FOOTER, Layout.BF16
-_N, _S32, _E8 = ScaleKind.NONE, ScaleKind.FP32, ScaleKind.UE8M0
-
-#: All formats by key (SPEC §3).
+#: All formats by key (the byte layouts of docs/formats.md).
 FORMATS: dict[str, KVFormat] = {
     f.key: f
     for f in (
-        _fmt("dsv3_2", 0, _I, _S32, 576, 512, 656, 512, 64, 128, 656, 512, 0, 528, 0, True, False,
-             "DeepSeek-V3.2: FP8 nope(512) + 4 power-of-two FP32 scales + BF16 rope(64), inline"),
-        _fmt("glm_nsa", 1, _I, _S32, 576, 512, 656, 512, 64, 128, 656, 512, 0, 528, 0, False, False,
-             "GLM-5 NSA: FP8 nope(512) + 4 FP32 scales + BF16 rope(64), inline"),
-        _fmt("glm53_nope", 2, _I, _S32, 512, 512, 528, 512, 0, 128, 528, 512, 0, 528, 0, False, False,
-             "GLM-5.3 no-RoPE: FP8(512) + 4 FP32 scales, inline (wider legacy rows accepted)"),
-        _fmt("dsv4", 3, _F, _E8, 512, 512, 584, 448, 64, 64, 576, 0, 8, 448, 0, True, True,
-             "DeepSeek-V4: FP8 nope(448) + BF16 rope(64); UE8M0 per 64 in a page footer"),
-        _fmt("dsv4_1", 4, _F, _E8, 512, 512, 528, 512, 0, 32, 512, 0, 16, 512, 0, True, True,
-             "DeepSeek-V4.1: FP8(512); UE8M0 per 32 in a page footer"),
-        _fmt("dots3_swa", 5, _F, _E8, 1088, 1024, 1160, 1024, 64, 128, 1152, 0, 8, 1024, 513, True, False,
-             "DOTS3 sliding-window MLA: FP8 nope(1024) + BF16 rope(64); UE8M0 per 128 in a page footer"),
-        _fmt("bf16_576", 6, _B, _N, 576, 512, 1152, 0, 576, 0, 1152, 0, 0, 0, 0, False, False,
-             "unquantized BF16 rows, DeepSeek shape (V = first 512 lanes)"),
-        _fmt("bf16_512", 7, _B, _N, 512, 512, 1024, 0, 512, 0, 1024, 0, 0, 0, 0, False, False,
-             "unquantized BF16 rows, no-rope shape"),
+        _format(key="dsv3_2", id=0, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
+                d_qk=576, d_v=512, bytes_per_token=656, quant_dim=512, quant_bits=8, bf16_dim=64, group_size=128,
+                data_row_bytes=656, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
+                max_candidates=0, pow2_scales=True, dual_cache=False,
+                description="DeepSeek-V3.2: FP8 nope(512) + 4 power-of-two FP32 scales + BF16 rope(64), inline"),
+        _format(key="glm_nsa", id=1, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
+                d_qk=576, d_v=512, bytes_per_token=656, quant_dim=512, quant_bits=8, bf16_dim=64, group_size=128,
+                data_row_bytes=656, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
+                max_candidates=0, pow2_scales=False, dual_cache=False,
+                description="GLM-5 NSA: FP8 nope(512) + 4 FP32 scales + BF16 rope(64), inline"),
+        _format(key="glm53_nope", id=2, layout=Layout.INLINE, scale_kind=ScaleKind.FP32,
+                d_qk=512, d_v=512, bytes_per_token=528, quant_dim=512, quant_bits=8, bf16_dim=0, group_size=128,
+                data_row_bytes=528, scale_offset=512, scale_row_bytes=0, bf16_offset=528,
+                max_candidates=0, pow2_scales=False, dual_cache=False,
+                description="GLM-5.3 no-RoPE: FP8(512) + 4 FP32 scales, inline (wider legacy rows accepted)"),
+        _format(key="dsv4", id=3, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
+                d_qk=512, d_v=512, bytes_per_token=584, quant_dim=448, quant_bits=8, bf16_dim=64, group_size=64,
+                data_row_bytes=576, scale_offset=0, scale_row_bytes=8, bf16_offset=448,
+                max_candidates=0, pow2_scales=True, dual_cache=True,
+                description="DeepSeek-V4: FP8 nope(448) + BF16 rope(64); UE8M0 per 64 in a page footer"),
+        _format(key="dsv4_1", id=4, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
+                d_qk=512, d_v=512, bytes_per_token=528, quant_dim=512, quant_bits=8, bf16_dim=0, group_size=32,
+                data_row_bytes=512, scale_offset=0, scale_row_bytes=16, bf16_offset=512,
+                max_candidates=0, pow2_scales=True, dual_cache=True,
+                description="DeepSeek-V4.1: FP8(512); UE8M0 per 32 in a page footer"),
+        _format(key="dots3_swa", id=5, layout=Layout.FOOTER, scale_kind=ScaleKind.UE8M0,
+                d_qk=1088, d_v=1024, bytes_per_token=1160, quant_dim=1024, quant_bits=8, bf16_dim=64, group_size=128,
+                data_row_bytes=1152, scale_offset=0, scale_row_bytes=8, bf16_offset=1024,
+                max_candidates=513, pow2_scales=True, dual_cache=False,
+                description="DOTS3 sliding-window MLA: FP8 nope(1024) + BF16 rope(64); UE8M0 per 128 in a page footer"),
+        _format(key="bf16_576", id=6, layout=Layout.BF16, scale_kind=ScaleKind.NONE,
+                d_qk=576, d_v=512, bytes_per_token=1152, quant_dim=0, quant_bits=0, bf16_dim=576, group_size=0,
+                data_row_bytes=1152, scale_offset=0, scale_row_bytes=0, bf16_offset=0,
+                max_candidates=0, pow2_scales=False, dual_cache=False,
+                description="unquantized BF16 rows, DeepSeek shape (V = first 512 lanes)"),
+        _format(key="bf16_512", id=7, layout=Layout.BF16, scale_kind=ScaleKind.NONE,
+                d_qk=512, d_v=512, bytes_per_token=1024, quant_dim=0, quant_bits=0, bf16_dim=512, group_size=0,
+                data_row_bytes=1024, scale_offset=0, scale_row_bytes=0, bf16_offset=0,
+                max_candidates=0, pow2_scales=False, dual_cache=False,
+                description="unquantized BF16 rows, no-rope shape"),
+        _format(key="dsv4_nvfp4", id=8, layout=Layout.FOOTER, scale_kind=ScaleKind.E4M3,
+                d_qk=512, d_v=512, bytes_per_token=384, quant_dim=448, quant_bits=4, bf16_dim=64, group_size=16,
+                data_row_bytes=352, scale_offset=0, scale_row_bytes=32, bf16_offset=224,
+                max_candidates=0, pow2_scales=False, dual_cache=True,
+                description="DeepSeek-V4 NVFP4: FP4 nope(448) + BF16 rope(64); E4M3 per 16 in a page footer"),
+        _format(key="dsv4_1_fp4", id=9, layout=Layout.FOOTER, scale_kind=ScaleKind.E4M3,
+                d_qk=512, d_v=512, bytes_per_token=288, quant_dim=512, quant_bits=4, bf16_dim=0, group_size=16,
+                data_row_bytes=256, scale_offset=0, scale_row_bytes=32, bf16_offset=256,
+                max_candidates=0, pow2_scales=False, dual_cache=True,
+                description="DeepSeek-V4.1 FP4: FP4(512); E4M3 per 16 in a page footer"),
     )
 }
 
@@ -131,7 +198,8 @@ def get_format(kv_format: Union[str, KVFormat]) -> KVFormat:
     """Returns the :class:`KVFormat` for a key or format object.
 
     Raises:
-      ValueError: for an unknown key. TypeError: for anything other than a str or KVFormat.
+      ValueError: an unknown key, or a ``KVFormat`` that is not registered.
+      TypeError: anything other than a str or ``KVFormat``.
     """
     if isinstance(kv_format, KVFormat):
         if FORMATS.get(kv_format.key) != kv_format:
@@ -177,12 +245,13 @@ def _shape_text(x) -> str:
 
 def cache_layout(cache, kv_format: Union[str, KVFormat], page_size: Optional[int] = None,
                  name: str = "kv_cache") -> CacheLayout:
-    """Validates a cache's shape and dtype against SPEC §3 and returns its :class:`CacheLayout`.
+    """Validates a cache's shape and dtype (docs/formats.md, cache shapes) and returns its :class:`CacheLayout`.
 
     Accepts any object with ``shape`` and ``dtype`` (arrays, ShapeDtypeStructs, tracers).
 
     Raises:
-      TypeError: wrong dtype. ValueError: any shape or page-size violation.
+      TypeError: wrong dtype.
+      ValueError: any shape or page-size violation.
     """
     fmt = get_format(kv_format)
     shape = tuple(int(d) for d in cache.shape)
@@ -277,10 +346,16 @@ def _as_pages(cache, layout: CacheLayout):
 
 
 # --------------------------------------------------------------------------------------------------
-# Encoding (quantization) of rows, bit-exact per SPEC §3
+# Encoding (quantization) of rows, bit-exact (docs/formats.md, quantize_kv)
 # --------------------------------------------------------------------------------------------------
 
 _FP8_MAX = 448.0
+_FP4_MAX = 6.0  # the largest E2M1 magnitude
+_FP4_SCALE_MIN = 2.0 ** -9  # the smallest E4M3 scale of an FP4 group (E4M3's smallest subnormal)
+# E2M1 magnitudes by code, and the rounding thresholds between neighbouring codes: a magnitude exactly on a
+# threshold goes to the even code (> for a threshold above an even code, >= above an odd one).
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def _divide(numerator, denominator):
@@ -288,7 +363,7 @@ def _divide(numerator, denominator):
 
     XLA's simplifier rewrites a division by a constant or by a broadcast into a multiplication by
     the reciprocal, which is not bit-exact. Materialising the divisor at full shape behind an
-    optimization barrier keeps a true division, as SPEC §3 requires.
+    optimization barrier keeps a true division, as quantization requires (docs/formats.md, quantize_kv).
     """
     denominator = jnp.broadcast_to(jnp.asarray(denominator, jnp.float32), numerator.shape)
     return numerator / jax.lax.optimization_barrier(denominator)
@@ -303,6 +378,22 @@ def _pow2_scale_bits(amax):
     return exponent + (mantissa != 0).astype(jnp.uint32)
 
 
+def _e2m1_codes(x):
+    """Round-to-nearest-even of float32 ``x`` onto the E2M1 grid, saturating at ±6: uint8 codes 0..15
+    (sign in bit 3; a negative value that rounds to zero keeps its sign, as IEEE rounding does)."""
+    magnitude = jnp.abs(x)
+    code = jnp.zeros(x.shape, jnp.uint8)
+    for threshold, inclusive in _E2M1_THRESHOLDS:
+        code = code + (magnitude >= threshold if inclusive else magnitude > threshold).astype(jnp.uint8)
+    return code | (jnp.signbit(x).astype(jnp.uint8) << 3)
+
+
+def _e2m1_values(codes):
+    """float32 values of E2M1 codes (uint8, the low 4 bits)."""
+    magnitude = jnp.asarray(_E2M1_VALUES, jnp.float32)[(codes & 7).astype(jnp.int32)]
+    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+
+
 def _to_bytes(x, dtype):
     """[..., n] values -> [..., n * itemsize] little-endian bytes."""
     x = x.astype(dtype)
@@ -313,7 +404,7 @@ def _to_bytes(x, dtype):
 
 
 def encode_rows(kv, kv_format: Union[str, KVFormat]):
-    """Quantizes rows per SPEC §3.
+    """Quantizes rows as ``quantize_kv`` does (docs/formats.md, quantize_kv).
 
     Args:
       kv: ``[n, d_qk]`` float32 or bfloat16, finite.
@@ -331,24 +422,29 @@ def encode_rows(kv, kv_format: Union[str, KVFormat]):
         return kv.astype(jnp.bfloat16), None
     n = kv.shape[0]
     x = kv.astype(jnp.float32)
-    nope = x[:, : fmt.fp8_dim].reshape(n, fmt.num_groups, fmt.group_size)
+    nope = x[:, : fmt.quant_dim].reshape(n, fmt.num_groups, fmt.group_size)
     amax = jnp.maximum(jnp.max(jnp.abs(nope), axis=-1), jnp.float32(1e-4))
-    if fmt.pow2_scales:
-        exponent = _pow2_scale_bits(amax)
-        scale = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+    if fmt.quant_bits == 4:
+        scale_e4m3 = jnp.clip(_divide(amax, _FP4_MAX), _FP4_SCALE_MIN, _FP8_MAX).astype(jnp.float8_e4m3fn)
+        codes = _e2m1_codes(_divide(nope, scale_e4m3.astype(jnp.float32)[..., None])).reshape(n, fmt.quant_dim)
+        pieces = [codes[:, 0::2] | (codes[:, 1::2] << 4)]  # lane 2i in the low nibble of byte i
+        scale_bytes = jax.lax.bitcast_convert_type(scale_e4m3, jnp.uint8)
     else:
-        scale = _divide(amax, _FP8_MAX)
-    scaled = jnp.clip(_divide(nope, scale[..., None]), -_FP8_MAX, _FP8_MAX)
-    fp8_bytes = _to_bytes(scaled.reshape(n, fmt.fp8_dim), jnp.float8_e4m3fn)
-    pieces = [fp8_bytes]
-    if fmt.scale_kind == ScaleKind.FP32:
-        scale_bytes = _to_bytes(scale, jnp.float32)
-    else:
-        scale_bytes = exponent.astype(jnp.uint8)
+        if fmt.pow2_scales:
+            exponent = _pow2_scale_bits(amax)
+            scale = jax.lax.bitcast_convert_type(exponent << 23, jnp.float32)
+        else:
+            scale = _divide(amax, _FP8_MAX)
+        scaled = jnp.clip(_divide(nope, scale[..., None]), -_FP8_MAX, _FP8_MAX)
+        pieces = [_to_bytes(scaled.reshape(n, fmt.quant_dim), jnp.float8_e4m3fn)]
+        if fmt.scale_kind == ScaleKind.FP32:
+            scale_bytes = _to_bytes(scale, jnp.float32)
+        else:
+            scale_bytes = exponent.astype(jnp.uint8)
     if fmt.layout == Layout.INLINE:
         pieces.append(scale_bytes)
     if fmt.bf16_dim:
-        pieces.append(_to_bytes(x[:, fmt.fp8_dim:], jnp.bfloat16))
+        pieces.append(_to_bytes(x[:, fmt.quant_dim:], jnp.bfloat16))
     data = jnp.concatenate(pieces, axis=-1)
     if fmt.layout == Layout.INLINE:
         return data, jnp.zeros((n, 0), jnp.uint8)
@@ -357,16 +453,47 @@ def encode_rows(kv, kv_format: Union[str, KVFormat]):
     return data, scales
 
 
+#: Query lanes that share one scale in ``precision="fp8"``.
+QUERY_FP8_GROUP = 64
+_QUERY_AMAX_FLOOR = 1e-30
+
+
+def quantize_query_fp8(q):
+    """The query of ``precision="fp8"``: FP8-quantized and dequantized, exactly (docs/semantics.md).
+
+    Per (row, head, group of 64 lanes): ``amax = max|q|`` clamped below at 1e-30,
+    ``scale = 2^ceil(log2(amax / 448))`` from the float32 bits, FP8 e4m3 = saturating round-to-nearest-even
+    of ``q / scale`` (a float32 division); the result is ``fp8 * scale``, which bfloat16 holds exactly.
+
+    Args:
+      q: bfloat16 ``[..., d]`` with ``d`` a multiple of 64.
+    Returns:
+      bfloat16, the shape of ``q``.
+    """
+    if q.shape[-1] % QUERY_FP8_GROUP:
+        raise ValueError(f"q: expected a last axis that is a multiple of {QUERY_FP8_GROUP}, got {_shape_text(q)}")
+    x = q.astype(jnp.float32).reshape(*q.shape[:-1], q.shape[-1] // QUERY_FP8_GROUP, QUERY_FP8_GROUP)
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), jnp.float32(_QUERY_AMAX_FLOOR))
+    scale = jax.lax.bitcast_convert_type(_pow2_scale_bits(amax) << 23, jnp.float32)[..., None]
+    fp8 = jnp.clip(_divide(x, scale), -_FP8_MAX, _FP8_MAX).astype(jnp.float8_e4m3fn)
+    return (fp8.astype(jnp.float32) * scale).astype(jnp.bfloat16).reshape(q.shape)
+
+
 def quantize_kv(kv, kv_format: Union[str, KVFormat], page_size: int = 64):
-    """Builds a whole cache from unquantized latent rows (SPEC §3), bit-exact and jittable.
+    """Builds a whole cache from unquantized latent rows, bit-exact and jittable (docs/formats.md).
 
     Args:
       kv: ``[num_tokens, d_qk]`` float32 or bfloat16 (nope lanes then rope lanes), finite.
       kv_format: format key or :class:`KVFormat`.
       page_size: tokens per page; ``num_tokens`` is padded with zero tokens to a whole page.
+
     Returns:
       uint8 ``[num_pages, page_size, bytes_per_token]``, or bfloat16 ``[num_pages, page_size, d_qk]``
       for ``bf16_*`` formats. Footer pages hold the data rows then the scale rows.
+
+    Raises:
+      TypeError: ``kv`` neither float32 nor bfloat16.
+      ValueError: ``kv`` not ``[num_tokens, d_qk]``, or ``page_size`` not a positive int.
     """
     fmt = get_format(kv_format)
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
@@ -379,7 +506,7 @@ def quantize_kv(kv, kv_format: Union[str, KVFormat], page_size: int = 64):
     data, scales = encode_rows(kv, fmt)
     if not fmt.quantized:
         return data.reshape(num_pages, page_size, fmt.d_qk)
-    # Padding tokens are all-zero bytes (SPEC §3), not encoded zero rows (whose scales are nonzero).
+    # Padding tokens are all-zero bytes (docs/formats.md), not encoded zero rows (whose scales are nonzero).
     real = (jnp.arange(num_pages * page_size) < n)[:, None]
     data = jnp.where(real, data, jnp.uint8(0))
     scales = jnp.where(real, scales, jnp.uint8(0))
@@ -393,13 +520,19 @@ def update_kv(cache, slots, kv, kv_format: Union[str, KVFormat], page_size: Opti
     """Writes the quantized rows of ``kv`` at global ``slots`` (the per-step cache write).
 
     Args:
-      cache: any cache form of SPEC §3 for ``kv_format``.
+      cache: a cache of ``kv_format`` in any accepted shape (docs/formats.md, cache shapes).
       slots: int32 ``[n]`` global slots; negative or out-of-range slots are skipped.
       kv: ``[n, d_qk]`` float32 or bfloat16.
+      kv_format: format key or :class:`KVFormat`.
       page_size: required for the 2-D quantized form.
+
     Returns:
       The cache (same shape and dtype) with those rows replaced and every other byte unchanged.
       Donate ``cache`` to ``jax.jit`` to update it in place.
+
+    Raises:
+      TypeError: a wrong dtype of ``cache``, ``slots`` or ``kv``.
+      ValueError: a cache shape the format does not accept, or ``slots``/``kv`` not ``[n]``/``[n, d_qk]``.
     """
     fmt = get_format(kv_format)
     layout = cache_layout(cache, fmt, page_size)
@@ -463,19 +596,26 @@ def decode_rows(data, scales, kv_format: Union[str, KVFormat]):
     if not fmt.quantized:
         return data.astype(jnp.float32)
     lead = data.shape[:-1]
-    fp8 = jax.lax.bitcast_convert_type(data[..., : fmt.fp8_dim], jnp.float8_e4m3fn).astype(jnp.float32)
+    if fmt.quant_bits == 4:
+        packed = data[..., : fmt.quant_bytes]
+        codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*lead, fmt.quant_dim)
+        quant = _e2m1_values(codes)
+    else:
+        quant = jax.lax.bitcast_convert_type(data[..., : fmt.quant_dim], jnp.float8_e4m3fn).astype(jnp.float32)
     source = data if fmt.layout == Layout.INLINE else scales
     offset = fmt.scale_offset
     raw = source[..., offset: offset + fmt.num_groups * fmt.scale_bytes]
     if fmt.scale_kind == ScaleKind.FP32:
         scale = jax.lax.bitcast_convert_type(raw.reshape(*lead, fmt.num_groups, 4), jnp.float32)
+    elif fmt.scale_kind == ScaleKind.E4M3:
+        scale = jax.lax.bitcast_convert_type(raw, jnp.float8_e4m3fn).astype(jnp.float32)
     else:
         exponent = raw.astype(jnp.uint32)
         scale = jnp.where(exponent == 0,
                           jnp.float32(2.0 ** -127),
                           jax.lax.bitcast_convert_type(exponent << 23, jnp.float32))
         scale = jnp.where(exponent == 255, jnp.float32(jnp.nan), scale)
-    k = (fp8.reshape(*lead, fmt.num_groups, fmt.group_size) * scale[..., None]).reshape(*lead, fmt.fp8_dim)
+    k = (quant.reshape(*lead, fmt.num_groups, fmt.group_size) * scale[..., None]).reshape(*lead, fmt.quant_dim)
     if fmt.bf16_dim:
         raw16 = data[..., fmt.bf16_offset: fmt.bf16_offset + 2 * fmt.bf16_dim].reshape(*lead, fmt.bf16_dim, 2)
         rope = jax.lax.bitcast_convert_type(raw16, jnp.bfloat16).astype(jnp.float32)
@@ -485,6 +625,11 @@ def decode_rows(data, scales, kv_format: Union[str, KVFormat]):
 
 def dequantize_kv(cache, kv_format: Union[str, KVFormat], page_size: Optional[int] = None):
     """Dequantizes every slot of a cache.
+
+    Args:
+      cache: a cache of ``kv_format`` in any accepted shape (docs/formats.md, cache shapes).
+      kv_format: format key or :class:`KVFormat`.
+      page_size: required for the 2-D quantized form.
 
     Returns:
       ``(k, v)``: float32 ``[num_slots, d_qk]`` and ``[num_slots, d_v]`` (``v = k[:, :d_v]``).

@@ -19,9 +19,12 @@ import dataclasses
 import functools
 from typing import Optional, Union
 
-from . import calibration, cuda_config
+import numpy as np
+
+from . import _ffi, calibration_store, kernel_tables
 from .formats import KVFormat, get_format
-from .validate import ENVELOPE, IMPLS
+from .kernel_tables import VARIANT_IDS
+from .validate import RULE
 
 __all__ = ["DeviceInfo", "DEFAULT_CUDA_DEVICE", "CostModel", "Plan", "plan", "clear_cache", "device_info",
            "VARIANT_IDS"]
@@ -49,14 +52,14 @@ class CostModel:
     the portable ones for 16-head tiles there); calibrating fits them per device.
     """
 
-    launch_us: float = 21.4  # per launch (fitted when samples timed one call each, so it holds part of
-    # the call's host dispatch; a calibration with queued calls gives about 7 us on the H200 and the
-    # same picks on the planner sweep's grid)
-    block_us: float = 1.62
-    dequant_ns: float = 85.3  # gather + FP8 -> BF16 conversion of one candidate row by one block
+    # Fitted by calibrate() on an H200 (sm_90, 132 SMs) with the queued-call timing method (32 scan
+    # steps per call for T <= 16, so the host's dispatch does not set the pace), rounded.
+    launch_us: float = 4.9  # per launch
+    block_us: float = 0.32
+    dequant_ns: float = 65.2  # gather + FP8 -> BF16 conversion of one candidate row by one block
     mma_ns_per_head: float = 0.0  # S = Q·Kᵀ and O += P·V of one candidate for one head (hidden on H200)
-    co_residency_gain: float = 1.52  # throughput of `resident` co-resident blocks over one
-    combine_gbps: float = 1655.0
+    co_residency_gain: float = 1.33  # throughput of `resident` co-resident blocks over one
+    combine_gbps: float = 1531.0
     tail: float = 0.0  # the last wave's imbalance, in block times
 
     def block_time_us(self, candidates_per_block: int, head_tile: int) -> float:
@@ -90,8 +93,11 @@ class CostModel:
         return cls(**{k: v for k, v in (values or {}).items() if k in known})
 
 
-#: Attribute values of the ``variant`` FFI attribute.
-VARIANT_IDS = {"reference": 0, "decode": 1, "prefill": 2}
+#: Registers per thread assumed for occupancy (ptxas reports 207-255 on sm_90a; a block's register
+#: allocation rounds up, so 255 is the safe bound: 128-thread kernels fit twice per SM).
+REGISTERS_PER_THREAD = 255
+#: Shared memory the runtime reserves per resident block (sm_80 and newer).
+SHARED_BYTES_RESERVED_PER_BLOCK = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +108,6 @@ class DeviceInfo:
     platform: str  # "cpu" or "cuda"
     arch: int = 0  # compute capability as major*10+minor (90 for sm_90); 0 on CPU
     sm_count: int = 0
-    l2_bytes: int = 0
     smem_per_block: int = 0
     smem_per_sm: int = 0
     registers_per_sm: int = 65536
@@ -110,8 +115,7 @@ class DeviceInfo:
 
 #: Used when no CUDA device is present (e.g. exporting for CUDA from a CPU host): an H200.
 DEFAULT_CUDA_DEVICE = DeviceInfo(name="NVIDIA H200 (default)", platform="cuda", arch=90, sm_count=132,
-                                 l2_bytes=60 * 1024 * 1024, smem_per_block=227 * 1024,
-                                 smem_per_sm=228 * 1024)
+                                 smem_per_block=227 * 1024, smem_per_sm=228 * 1024)
 DEFAULT_CPU_DEVICE = DeviceInfo(name="cpu", platform="cpu")
 
 
@@ -129,7 +133,7 @@ def device_info(platform: str) -> DeviceInfo:
     major, minor = (int(x) for x in str(getattr(dev, "compute_capability", "9.0")).split("."))
     return DeviceInfo(name=dev.device_kind, platform="cuda", arch=major * 10 + minor,
                       sm_count=int(getattr(dev, "core_count", DEFAULT_CUDA_DEVICE.sm_count)),
-                      l2_bytes=DEFAULT_CUDA_DEVICE.l2_bytes, smem_per_block=DEFAULT_CUDA_DEVICE.smem_per_block,
+                      smem_per_block=DEFAULT_CUDA_DEVICE.smem_per_block,
                       smem_per_sm=DEFAULT_CUDA_DEVICE.smem_per_sm)
 
 
@@ -138,7 +142,7 @@ class Plan:
     """An immutable launch plan. ``attrs()`` gives the FFI attributes it bakes into the call."""
 
     platform: str
-    family: str  # "cpu_reference", "portable" (mma.sync) or "hopper" (wgmma, sm_90): cuda_config.kernel_family
+    family: str  # "cpu_reference", "portable" (mma.sync) or "hopper" (wgmma, sm_90): kernel_tables.kernel_family
     variant: str  # "reference", "decode" or "prefill"
     kv_format: str
     num_tokens: int
@@ -149,7 +153,6 @@ class Plan:
     num_splits: int
     split_size: int  # candidates per split (decode); total candidates otherwise
     workspace_bytes: int
-    min_sm_count: int
     batch_invariant: bool
     device_name: str
     reason: str
@@ -160,13 +163,12 @@ class Plan:
         return (self.workspace_bytes,)
 
     def attrs(self) -> dict:
-        """Plan attributes of the FFI call (the ``_v1`` attribute contract)."""
+        """Plan attributes of the FFI call (the attribute contract of the ``jax_sparse_mla_fwd_v2`` target)."""
         return {
             "variant": VARIANT_IDS[self.variant],
             "num_splits": self.num_splits,
             "split_size": self.split_size,
             "heads_per_block": self.heads_per_block,
-            "min_sm_count": self.min_sm_count,
         }
 
     def describe(self) -> str:
@@ -193,9 +195,9 @@ def _round_up(a: int, b: int) -> int:
 
 def resident_blocks(kv_format: str, heads_per_block: int, device: DeviceInfo) -> int:
     """Blocks of a kernel that fit on one SM at once: limited by registers and shared memory."""
-    kernel = cuda_config.KERNELS[(kv_format, heads_per_block)]
-    by_registers = device.registers_per_sm // (kernel.threads * cuda_config.REGISTERS_PER_THREAD)
-    by_shared = device.smem_per_sm // (kernel.shared_bytes + cuda_config.SHARED_BYTES_RESERVED_PER_BLOCK)
+    kernel = kernel_tables.KERNELS[(kv_format, heads_per_block)]
+    by_registers = device.registers_per_sm // (kernel.threads * REGISTERS_PER_THREAD)
+    by_shared = device.smem_per_sm // (kernel.shared_bytes + SHARED_BYTES_RESERVED_PER_BLOCK)
     return max(1, min(by_registers, by_shared))
 
 
@@ -213,7 +215,7 @@ def option_us(model: CostModel, fmt: KVFormat, num_tokens: int, num_heads: int, 
 
 def split_layout(candidates: int, num_splits: int):
     """(split size, split count) for about ``num_splits`` splits of whole granules."""
-    split_size = _round_up(_ceil_div(candidates, num_splits), cuda_config.SPLIT_GRANULE)
+    split_size = _round_up(_ceil_div(candidates, num_splits), kernel_tables.SPLIT_GRANULE)
     return split_size, _ceil_div(candidates, split_size)
 
 
@@ -221,7 +223,7 @@ def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: Devi
                   impl):
     """Every (predicted µs, variant, head tile, splits, split size) the planner may choose from."""
     options = []
-    for heads_per_block in cuda_config.HEAD_TILES[fmt.key]:
+    for heads_per_block in kernel_tables.HEAD_TILES[fmt.key]:
         if impl in ("auto", "prefill"):
             us = option_us(model, fmt, num_tokens, num_heads, candidates, "prefill", heads_per_block, 1, device)
             options.append((us, "prefill", heads_per_block, 1, candidates))
@@ -239,19 +241,16 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
     candidates = topk + extra_topk
     common = dict(platform="cuda", kv_format=fmt.key, num_tokens=num_tokens,
                   num_heads=num_heads, topk=topk, extra_topk=extra_topk, batch_invariant=batch_invariant,
-                  device_name=device.name, min_sm_count=0)
+                  device_name=device.name)
     source = "calibrated" if calibrated else "default"
     if batch_invariant:
-        if impl == "prefill":
-            raise ValueError("impl: 'prefill' cannot honour batch_invariant=True (its reduction order is the "
-                             "whole candidate list); use impl='auto' or 'decode'")
-        tiles = cuda_config.HEAD_TILES[fmt.key]
+        tiles = kernel_tables.HEAD_TILES[fmt.key]
         heads_per_block = next((t for t in tiles if t >= num_heads), tiles[-1])
-        split_size = _round_up(BATCH_INVARIANT_SPLIT_SIZE, cuda_config.SPLIT_GRANULE)
+        split_size = _round_up(BATCH_INVARIANT_SPLIT_SIZE, kernel_tables.SPLIT_GRANULE)
         num_splits = _ceil_div(candidates, split_size)
         return Plan(variant="decode", heads_per_block=heads_per_block, num_splits=num_splits, split_size=split_size,
                     family=_family(fmt, heads_per_block, device),
-                    workspace_bytes=cuda_config.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v),
+                    workspace_bytes=kernel_tables.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v),
                     reason=f"batch_invariant: fixed {split_size}-candidate splits and head tile {heads_per_block}, "
                            f"independent of T", **common)
     options = _cuda_options(fmt, num_tokens, num_heads, candidates, device, model, impl)
@@ -267,14 +266,15 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
     reason = (f"{forced}cost model ({source} constants, {device.sm_count} SMs) predicts {us:.1f} us for "
               f"{variant}" + (f" with {num_splits} splits" if variant == "decode" else "") +
               f" and head tile {heads_per_block}{alternative}")
-    workspace = cuda_config.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v) if variant == "decode" else 0
+    workspace = kernel_tables.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v) if variant == "decode" else 0
     return Plan(variant=variant, heads_per_block=heads_per_block, num_splits=num_splits if variant == "decode" else 1,
                 split_size=split_size, workspace_bytes=workspace, reason=reason, predicted_us=us,
                 family=_family(fmt, heads_per_block, device), **common)
 
 
 def _family(fmt: KVFormat, heads_per_block: int, device: DeviceInfo) -> str:
-    return cuda_config.kernel_family(fmt.key, heads_per_block, device.arch, device.smem_per_block)
+    return kernel_tables.kernel_family(fmt.key, heads_per_block, device.arch, device.smem_per_block,
+                                       _ffi.hopper_compiled())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -285,18 +285,38 @@ def _plan_cached(q_shape, fmt_key, topk, extra_topk, platform, device, batch_inv
     for d in q_shape[:-2]:
         num_tokens *= d
     if platform == "cpu":
-        if impl in ("decode", "prefill"):
-            raise ValueError(f"impl: {impl!r} selects a CUDA kernel; on the CPU use impl='auto' or 'xla'")
         return Plan(platform="cpu", family="cpu_reference", variant="reference", kv_format=fmt.key,
                     num_tokens=num_tokens, num_heads=num_heads, topk=topk, extra_topk=extra_topk,
                     heads_per_block=num_heads, num_splits=1, split_size=topk + extra_topk, workspace_bytes=0,
-                    min_sm_count=0, batch_invariant=batch_invariant, device_name=device.name,
+                    batch_invariant=batch_invariant, device_name=device.name,
                     reason="the CPU runs the C++ reference kernel (one pass, no workspace; batch invariant)")
-    if platform == "cuda":
-        model = CostModel.from_dict(dict(constants) if constants is not None else None)
-        return _plan_cuda(fmt, num_tokens, num_heads, topk, extra_topk, device, batch_invariant, impl, model,
-                          constants is not None)
-    raise ValueError(f"platform: expected one of {sorted(ENVELOPE['platforms'])}, got {platform!r}")
+    model = CostModel.from_dict(dict(constants) if constants is not None else None)
+    return _plan_cuda(fmt, num_tokens, num_heads, topk, extra_topk, device, batch_invariant, impl, model,
+                      constants is not None)
+
+
+def _check_plan_arguments(fmt: KVFormat, q_shape, topk, extra_topk, platform, impl, batch_invariant) -> None:
+    """plan()'s arguments against the format and the envelope's rules (validate.RULES)."""
+    shape = tuple(q_shape)
+    if (len(shape) not in (3, 4) or any(isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0
+                                        for d in shape) or shape[-1] != fmt.d_qk):
+        raise ValueError(f"q_shape: expected (T, H, {fmt.d_qk}) or (B, S, H, {fmt.d_qk}) for format {fmt.key}, "
+                         f"got {q_shape!r}")
+    if impl == "xla":
+        raise ValueError("impl: expected 'auto', 'decode' or 'prefill' for planning, got 'xla' (it never plans)")
+    # (argument named in the error, rule, the values it reads)
+    checks = [("q_shape", "num_heads", dict(num_heads=int(shape[-2]))), ("topk", "topk", dict(topk=topk)),
+              ("platform", "platform", dict(platform=platform)), ("impl", "impl", dict(impl=impl)),
+              ("impl", "impl_on_platform", dict(impl=impl, platform=platform)),
+              ("batch_invariant", "batch_invariant", dict(batch_invariant=batch_invariant, impl=impl))]
+    if extra_topk != 0:
+        checks += [("extra_topk", "topk", dict(topk=extra_topk)), ("extra_topk", "dual_cache", dict(dual_cache=True))]
+    for argument, name, given in checks:
+        problem = RULE[name].violation(fmt, given)
+        if problem is not None:
+            raise ValueError(f"{argument}: unsupported for format {fmt.key}: {problem}")
+    if RULE["format_on_platform"].violation(fmt, dict(platform=platform, impl=impl)) is not None:
+        raise ValueError(f"kv_format: {fmt.key!r} has no CUDA kernel yet; plan for platform='cpu' or use impl='xla'")
 
 
 def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int = 0, platform: str,
@@ -305,8 +325,10 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
     """Plans one ``sparse_mla`` call.
 
     Args:
-      q_shape: ``(T, H, d_qk)`` or ``(B, S, H, d_qk)``.
-      kv_format: format key or object. topk / extra_topk: index row widths.
+      q_shape: the query's shape, ``(T, H, d_qk)`` or ``(B, S, H, d_qk)``, with the format's ``d_qk``.
+      kv_format: format key or :class:`~jax_sparse_mla.KVFormat`.
+      topk: width of the index rows (candidates per query row).
+      extra_topk: width of the extra cache's index rows (``dsv4``/``dsv4_1``); 0 without an extra cache.
       platform: ``"cpu"`` or ``"cuda"``.
       device: the device description; ``None`` uses the local device of that platform or
         :data:`DEFAULT_CUDA_DEVICE`.
@@ -314,18 +336,23 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
       impl: ``"auto"``, ``"decode"`` or ``"prefill"`` (``"xla"`` never reaches the planner).
       cost_model: constants to plan with; ``None`` uses the device's calibration (if any) over the
         model defaults.
+
     Returns:
       A memoised :class:`Plan`.
+
+    Raises:
+      ValueError: an unknown format or platform, a ``q_shape`` the format does not have, a head count,
+        ``topk`` or ``extra_topk`` outside the envelope, or an ``impl`` (with ``batch_invariant``) the
+        platform cannot run (the rules of :func:`~jax_sparse_mla.check_supported`).
     """
     fmt = get_format(kv_format)
-    if impl not in IMPLS or impl == "xla":
-        raise ValueError(f"impl: expected 'auto', 'decode' or 'prefill' for planning, got {impl!r}")
+    _check_plan_arguments(fmt, q_shape, topk, extra_topk, platform, impl, batch_invariant)
     if device is None:
         device = device_info(platform)
     if cost_model is not None:
         constants = tuple(sorted(cost_model.to_dict().items()))
     elif platform == "cuda":
-        calibrated = calibration.device_constants(device.name)
+        calibrated = calibration_store.device_constants(device.name)
         constants = None if calibrated is None else tuple(sorted(calibrated.items()))
     else:
         constants = None

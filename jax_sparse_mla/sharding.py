@@ -1,4 +1,4 @@
-"""``jax.shard_map`` helpers for :func:`~jax_sparse_mla.sparse_mla` that keep every operand local (SPEC §7).
+"""``jax.shard_map`` helpers for :func:`~jax_sparse_mla.sparse_mla` that keep every operand local.
 
 ``sparse_mla`` is a custom call: XLA's partitioner cannot split it, so calling it on arrays sharded across
 devices outside ``shard_map`` makes XLA gather every operand (the whole KV cache included) onto each
@@ -13,7 +13,8 @@ device. The helpers here run one ``sparse_mla`` per shard instead:
   *empty shard* (``out = 0``, ``lse = -inf``, its kernel launches exit at once).
 - **both** (``token_axis`` and ``head_axis``).
 
-No collective is needed: every output row is computed where its query lives.
+No collective is needed: every output row is computed where its query lives. User documentation:
+docs/sharding_and_export.md.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .api import sparse_mla
 from .formats import KVFormat
 
-__all__ = ["SparseMLASpecs", "sparse_mla_specs", "sharded_sparse_mla"]
+__all__ = ["SparseMLASpecs", "sparse_mla_specs", "sharded_sparse_mla", "collectives_in"]
+
+#: HLO collective operations (their asynchronous -start/-done forms included).
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 #: A mesh axis name, a tuple of names (one array axis split over several mesh axes), or None.
 MeshAxes = Union[str, tuple, None]
@@ -38,7 +42,10 @@ class SparseMLASpecs(NamedTuple):
     """The ``PartitionSpec`` of every operand and result of a sharded ``sparse_mla``.
 
     Specs name only the axes that are split (a spec shorter than the array replicates the rest), so one
-    spec serves every accepted rank of an operand (e.g. all cache forms of SPEC §3).
+    spec serves every accepted rank of an operand (e.g. every accepted cache shape). There is one field
+    per operand of :func:`~jax_sparse_mla.sparse_mla` (``q``, ``kv_cache``, ``indices``,
+    ``topk_length``, ``attn_sink``, ``extra_kv_cache``, ``extra_indices``, ``extra_topk_length``,
+    ``valid_tokens``) and one per result (``out``, ``lse``).
     """
 
     q: PartitionSpec
@@ -101,13 +108,16 @@ def sharded_sparse_mla(mesh, *, kv_format: Union[str, KVFormat], sm_scale: float
     Args:
       mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes; with Explicit axes the operands are resharded
         to the specs first, a no-op when they already are).
-      kv_format, sm_scale, page_size, extra_page_size, impl: as for :func:`~jax_sparse_mla.sparse_mla`
-        (``page_size`` is the per-rank cache's page size, which the split leaves unchanged).
+      kv_format: as for :func:`~jax_sparse_mla.sparse_mla`.
+      sm_scale: as for :func:`~jax_sparse_mla.sparse_mla`.
       token_axis: mesh axis (or tuple of axes) over which tokens, indices, lengths, ``valid_tokens`` and
         (with ``per_rank_cache``) the caches are split: data/expert parallelism.
       head_axis: mesh axis (or tuple of axes) over which the heads of ``q`` and ``attn_sink`` are split:
         tensor parallelism.
       per_rank_cache: see :func:`sparse_mla_specs`.
+      page_size: the per-rank cache's page size (the split leaves it unchanged), for its 2-D form.
+      extra_page_size: the same, for the extra cache.
+      impl: as for :func:`~jax_sparse_mla.sparse_mla`.
 
     Returns:
       ``f(q, kv_cache, indices, *, topk_length=None, attn_sink=None, extra_kv_cache=None,
@@ -115,9 +125,10 @@ def sharded_sparse_mla(mesh, *, kv_format: Union[str, KVFormat], sm_scale: float
       global arrays laid out by :func:`sparse_mla_specs`. Use it under ``jax.jit``.
 
     Raises:
-      ValueError: an axis missing from the mesh or used twice, or neither axis given (at construction);
-        an operand whose split axis is not divisible by its shard count, or ``valid_tokens`` not of shape
-        ``[num_token_shards]`` (at call time). Each shard's operands are then validated by ``sparse_mla``.
+      ValueError: at construction, an axis missing from the mesh or used twice, or neither axis given;
+        at call time, an operand whose split axis is not divisible by its shard count, or
+        ``valid_tokens`` not of shape ``[num_token_shards]``. Each shard's operands are then validated
+        by ``sparse_mla``.
     """
     token_names, head_names = _axis_names(token_axis), _axis_names(head_axis)
     if not token_names and not head_names:
@@ -186,3 +197,14 @@ def sharded_sparse_mla(mesh, *, kv_format: Union[str, KVFormat], sm_scale: float
         return jax.shard_map(per_shard, mesh=mesh, in_specs=(in_specs,), out_specs=(specs.out, specs.lse))(arrays)
 
     return sharded
+
+
+def collectives_in(hlo_text: str) -> list:
+    """The collective operations (all-gather, all-reduce, reduce-scatter, all-to-all, collective-permute)
+    a compiled program's HLO text contains, sorted: ``[]`` for a sharded step that communicates nothing.
+
+    Example: ``collectives_in(jax.jit(step).lower(*args).compile().as_text())``.
+    """
+    import re
+
+    return sorted(name for name in COLLECTIVES if re.search(rf"\b{name}(-start|-done)?\(", hlo_text))

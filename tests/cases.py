@@ -1,4 +1,4 @@
-"""Builders shared by the tests: random inputs, caches in every form of SPEC §3, attention cases."""
+"""Builders shared by the tests: random inputs, caches in every accepted shape (docs/formats.md), attention cases."""
 
 from __future__ import annotations
 
@@ -112,7 +112,8 @@ def build_cache(rng, key: str, num_tokens: int, page_size: int = 64, form: str =
 # Attention cases
 # --------------------------------------------------------------------------------------------------
 
-STATIC_ARGS = ("kv_format", "sm_scale", "page_size", "extra_page_size", "impl", "batch_invariant")
+STATIC_ARGS = ("kv_format", "sm_scale", "page_size", "extra_page_size", "impl", "batch_invariant", "precision",
+               "extra_kv_format")
 
 
 def call_sparse_mla(q, kv_cache, indices, **kwargs):
@@ -160,6 +161,8 @@ class AttentionCase:
         if self.extra is not None:
             kw.update(extra_kv_cache=self.extra.array, extra_indices=self.extra_indices,
                       extra_topk_length=self.extra_topk_length)
+            if self.extra.key != self.key:
+                kw["extra_kv_format"] = self.extra.key
             if self.extra.page_size_arg is not None:
                 kw["extra_page_size"] = self.extra.page_size_arg
         return kw
@@ -168,7 +171,7 @@ class AttentionCase:
         return call_sparse_mla(self.q, self.main.array, self.indices, **self.kwargs(impl))
 
     def check(self, impl: str):
-        """Runs the library and asserts SPEC §4's accuracy contract against the float64 oracle."""
+        """Runs the library and asserts the accuracy contract (docs/semantics.md) against the float64 oracle."""
         out, lse = self.run(impl)
         ref_out, ref_lse = self.reference()
         oracle.check_accuracy(out, lse, ref_out, ref_lse)
@@ -193,7 +196,7 @@ def make_case(rng, key: str, *, num_tokens: int = 3, num_heads: int = 4, topk: i
               sm_scale: Optional[float] = None, indices: Optional[np.ndarray] = None) -> AttentionCase:
     """A random attention case. ``topk_length``: "random" (values in [-2, topk+2]), None, or an array.
 
-    ``extra``: dual-cache options (page_size, cache_tokens, form, topk, topk_length, page_bytes).
+    ``extra``: dual-cache options (page_size, cache_tokens, form, topk, topk_length, page_bytes, kv_format).
     With ``poison`` every unused slot and padding byte of the caches is 0xFF (NaN everywhere).
     """
     spec = oracle.SPECS[key]
@@ -214,7 +217,7 @@ def make_case(rng, key: str, *, num_tokens: int = 3, num_heads: int = 4, topk: i
         extra_tokens = extra.pop("cache_tokens", 3 * extra_page + 1)
         extra_topk = extra.pop("topk", 5)
         extra_length = extra.pop("topk_length", "random")
-        extra_cache = build_cache(rng, key, extra_tokens, extra_page, extra.pop("form", "3d"),
+        extra_cache = build_cache(rng, extra.pop("kv_format", key), extra_tokens, extra_page, extra.pop("form", "3d"),
                                   page_bytes=extra.pop("page_bytes", None))
         assert not extra, extra
         if isinstance(extra_length, str):

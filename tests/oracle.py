@@ -1,12 +1,14 @@
-"""An independent float64 numpy oracle for jax_sparse_mla, written from SPEC.md (§3 and §4).
+"""An independent float64 numpy oracle for jax_sparse_mla, written from docs/formats.md and
+docs/semantics.md.
 
 Nothing here imports ``jax_sparse_mla``: the format table, cache geometry, byte-level decoding, the
-quantizer and the attention semantics are re-derived from the specification so that the library's
+quantizer and the attention semantics are re-derived from the documentation so that the library's
 Python and C++ paths are checked against a third, simple implementation.
 
 Conventions: caches are numpy arrays (uint8 / int8 / float8_e4m3fn views of the same bytes, or
 ``ml_dtypes.bfloat16`` for the ``bf16_*`` formats). A *page image* is the packed bytes of one page
-(``page_size * bytes_per_token`` bytes); the cache forms of SPEC §3 are built from page images.
+(``page_size * bytes_per_token`` bytes); the accepted cache shapes (docs/formats.md) are built from
+page images.
 """
 
 from __future__ import annotations
@@ -23,29 +25,30 @@ AMAX_FLOOR = np.float32(1e-4)
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One row of the SPEC §3 table, with the byte layout spelled out."""
+    """One row of the format table (docs/formats.md), with the byte layout spelled out."""
 
     key: str
     kind: str  # "inline", "footer" or "bf16"
     d_qk: int
     d_v: int
     bytes_per_token: int
-    fp8_lanes: int  # leading K lanes stored as FP8
+    quant_lanes: int  # leading K lanes stored quantized (FP8, or FP4 when bits == 4)
     bf16_lanes: int  # trailing K lanes stored as BF16 (rope), or the whole row for bf16_*
-    group: int  # FP8 lanes per scale
-    scale: Optional[str]  # "fp32", "ue8m0" or None
+    group: int  # quantized lanes per scale
+    scale: Optional[str]  # "fp32", "ue8m0", "e4m3" or None
     pow2: bool  # power-of-two scales from quantize_kv
-    fp8_offset: int  # byte offset of the FP8 lanes in the (data) row
+    quant_offset: int  # byte offset of the quantized lanes in the (data) row
     scale_offset: int  # inline: offset of the scales in the row; footer: offset in the scale row
     bf16_offset: int  # offset of the BF16 lanes in the (data) row
     data_row: int  # footer: bytes of a data row; inline: bytes/token; bf16: 2*d_qk
     scale_row: int  # footer: bytes of a scale row; 0 otherwise
     window: int  # 0 = none
     dual: bool
+    bits: int = 8  # bits of a quantized lane: 8 (e4m3) or 4 (e2m1, lane 2i in the low nibble of byte i)
 
     @property
     def groups(self) -> int:
-        return self.fp8_lanes // self.group if self.group else 0
+        return self.quant_lanes // self.group if self.group else 0
 
     @property
     def quantized(self) -> bool:
@@ -53,7 +56,7 @@ class Spec:
 
     @property
     def scale_width(self) -> int:
-        return {"fp32": 4, "ue8m0": 1, None: 0}[self.scale]
+        return {"fp32": 4, "ue8m0": 1, "e4m3": 1, None: 0}[self.scale]
 
 
 SPECS = {
@@ -73,6 +76,10 @@ SPECS = {
              False),
         Spec("bf16_576", "bf16", 576, 512, 1152, 0, 576, 0, None, False, 0, 0, 0, 1152, 0, 0, False),
         Spec("bf16_512", "bf16", 512, 512, 1024, 0, 512, 0, None, False, 0, 0, 0, 1024, 0, 0, False),
+        # data row 352 = FP4 nope(448, 224 bytes) ++ BF16 rope(64); scale row 32 = 28 E4M3 (per 16) + 4 pad.
+        Spec("dsv4_nvfp4", "footer", 512, 512, 384, 448, 64, 16, "e4m3", False, 0, 0, 224, 352, 32, 0, True, bits=4),
+        # data row 256 = FP4(512); scale row 32 = 32 E4M3 (per 16).
+        Spec("dsv4_1_fp4", "footer", 512, 512, 288, 512, 0, 16, "e4m3", False, 0, 0, 256, 256, 32, 0, True, bits=4),
     )
 }
 
@@ -92,7 +99,7 @@ def min_3d_page_multiple(key: str) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# Geometry (SPEC §3 "Accepted cache shapes")
+# Geometry (docs/formats.md, cache shapes and page rules)
 # --------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +126,7 @@ def _page_axis_dims(shape):
 
 
 def geometry(shape, key: str, page_size: Optional[int] = None) -> Geometry:
-    """Where the slots of a cache of this shape live, derived from SPEC §3 alone (no validation)."""
+    """Where the slots of a cache of this shape live, derived from docs/formats.md alone (no validation)."""
     spec = SPECS[key]
     shape = tuple(int(d) for d in shape)
     if spec.kind == "bf16":
@@ -177,6 +184,16 @@ def _fp32_to_f64(b: np.ndarray) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _fp4_to_f64(b: np.ndarray) -> np.ndarray:
+    """Packed FP4 bytes [..., n] -> float64 [..., 2n]: lane 2i is the low nibble of byte i."""
+    b = np.asarray(b, np.uint8)
+    codes = np.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], -1)
+    return np.where(codes & 8, -1.0, 1.0) * E2M1_MAGNITUDES[codes & 7]
+
+
 def _ue8m0_to_f64(b: np.ndarray) -> np.ndarray:
     return np.where(b == 255, np.nan, np.ldexp(1.0, b.astype(np.int64) - 127))
 
@@ -187,11 +204,14 @@ def decode_tokens(data: np.ndarray, scales: Optional[np.ndarray], key: str) -> n
     n = data.shape[0]
     if spec.kind == "bf16":
         return _bf16_to_f64(data[:, : 2 * spec.d_qk])
-    fp8 = _fp8_to_f64(data[:, spec.fp8_offset: spec.fp8_offset + spec.fp8_lanes])
+    if spec.bits == 4:
+        quant = _fp4_to_f64(data[:, spec.quant_offset: spec.quant_offset + spec.quant_lanes // 2])
+    else:
+        quant = _fp8_to_f64(data[:, spec.quant_offset: spec.quant_offset + spec.quant_lanes])
     source = data if spec.kind == "inline" else scales
     raw = source[:, spec.scale_offset: spec.scale_offset + spec.groups * spec.scale_width]
-    scale = _fp32_to_f64(raw) if spec.scale == "fp32" else _ue8m0_to_f64(raw)
-    k = (fp8.reshape(n, spec.groups, spec.group) * scale[:, :, None]).reshape(n, spec.fp8_lanes)
+    scale = {"fp32": _fp32_to_f64, "ue8m0": _ue8m0_to_f64, "e4m3": _fp8_to_f64}[spec.scale](raw)
+    k = (quant.reshape(n, spec.groups, spec.group) * scale[:, :, None]).reshape(n, spec.quant_lanes)
     if spec.bf16_lanes:
         rope = _bf16_to_f64(data[:, spec.bf16_offset: spec.bf16_offset + 2 * spec.bf16_lanes])
         k = np.concatenate([k, rope], axis=1)
@@ -199,7 +219,7 @@ def decode_tokens(data: np.ndarray, scales: Optional[np.ndarray], key: str) -> n
 
 
 def read_slots(cache: np.ndarray, key: str, slots, page_size: Optional[int] = None):
-    """Raw (data, scales) bytes of ``slots`` read through the geometry of SPEC §3."""
+    """Raw (data, scales) bytes of ``slots`` read through the cache geometry (docs/formats.md)."""
     spec = SPECS[key]
     geom = geometry(cache.shape, key, page_size)
     raw = cache_bytes(cache)
@@ -222,13 +242,25 @@ def decode(cache: np.ndarray, key: str, page_size: Optional[int] = None) -> np.n
 
 
 # --------------------------------------------------------------------------------------------------
-# Quantization (SPEC §3 "Building and updating caches")
+# Quantization (docs/formats.md, building, updating and reading caches)
 # --------------------------------------------------------------------------------------------------
 
 def pow2_exponent(ratio: np.ndarray) -> np.ndarray:
     """k with 2^k = 2^ceil(log2(ratio)), exactly, for positive normal float32 ratios (via frexp)."""
     mantissa, exponent = np.frexp(ratio.astype(np.float64))  # ratio = mantissa * 2^exponent, m in [0.5, 1)
     return np.where(mantissa == 0.5, exponent - 1, exponent).astype(np.int64)
+
+
+def quantize_query_fp8(q: np.ndarray) -> np.ndarray:
+    """The query of precision="fp8" (docs/semantics.md) as float64: per (row, head, 64 lanes) a
+    power-of-two scale from amax (floor 1e-30) and saturating round-to-nearest-even e4m3 values."""
+    x = np.asarray(q).astype(np.float32)
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // 64, 64)
+    amax = np.maximum(np.abs(groups).max(axis=-1), np.float32(1e-30)).astype(np.float32)
+    scale = np.ldexp(np.float32(1.0), pow2_exponent((amax / FP8_MAX).astype(np.float32))).astype(np.float32)
+    scaled = (groups / scale[..., None]).astype(np.float32)
+    fp8 = np.clip(scaled, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return (fp8 * scale[..., None].astype(np.float64)).reshape(x.shape)
 
 
 def encode_tokens(kv: np.ndarray, key: str):
@@ -243,8 +275,10 @@ def encode_tokens(kv: np.ndarray, key: str):
     assert x.shape[1] == spec.d_qk and np.all(np.isfinite(x))
     if spec.kind == "bf16":
         return x.astype(ml_dtypes.bfloat16).view(np.uint8).reshape(n, -1), np.zeros((n, 0), np.uint8)
-    nope = x[:, : spec.fp8_lanes].reshape(n, spec.groups, spec.group)
+    nope = x[:, : spec.quant_lanes].reshape(n, spec.groups, spec.group)
     amax = np.maximum(np.abs(nope).max(axis=-1), AMAX_FLOOR).astype(np.float32)
+    if spec.bits == 4:
+        return _encode_fp4_tokens(x, nope, amax, spec)
     if spec.pow2:
         k = pow2_exponent(amax / FP8_MAX)
         scale = np.ldexp(np.float32(1.0), k).astype(np.float32)
@@ -256,18 +290,48 @@ def encode_tokens(kv: np.ndarray, key: str):
         scale_bytes = scale.astype("<f4").view(np.uint8).reshape(n, -1)
     else:
         scale_bytes = (k + 127).astype(np.uint8)
-    rope = x[:, spec.fp8_lanes:].astype(ml_dtypes.bfloat16).view(np.uint8).reshape(n, -1)
+    rope = x[:, spec.quant_lanes:].astype(ml_dtypes.bfloat16).view(np.uint8).reshape(n, -1)
     if spec.kind == "inline":
         row = np.zeros((n, spec.bytes_per_token), np.uint8)
-        row[:, spec.fp8_offset: spec.fp8_offset + spec.fp8_lanes] = fp8
+        row[:, spec.quant_offset: spec.quant_offset + spec.quant_lanes] = fp8
         row[:, spec.scale_offset: spec.scale_offset + scale_bytes.shape[1]] = scale_bytes
         row[:, spec.bf16_offset: spec.bf16_offset + rope.shape[1]] = rope
         return row, np.zeros((n, 0), np.uint8)
     data = np.zeros((n, spec.data_row), np.uint8)
-    data[:, spec.fp8_offset: spec.fp8_offset + spec.fp8_lanes] = fp8
+    data[:, spec.quant_offset: spec.quant_offset + spec.quant_lanes] = fp8
     data[:, spec.bf16_offset: spec.bf16_offset + rope.shape[1]] = rope
     scales = np.zeros((n, spec.scale_row), np.uint8)  # the dsv4 pad byte stays zero
     scales[:, spec.scale_offset: spec.scale_offset + scale_bytes.shape[1]] = scale_bytes
+    return data, scales
+
+
+def e2m1_round(v: np.ndarray) -> np.ndarray:
+    """Codes (uint8, sign in bit 3) of float32 values rounded to the nearest E2M1 value, saturating at ±6;
+    a tie goes to the even code (found by distance to every grid value, not by thresholds)."""
+    v = np.asarray(v, np.float32)
+    magnitude = np.minimum(np.abs(v).astype(np.float64), 6.0)
+    distance = np.abs(magnitude[..., None] - E2M1_MAGNITUDES)
+    best = distance.min(axis=-1, keepdims=True)
+    candidates = np.where(distance == best, np.arange(8), 99)
+    even = np.where(candidates % 2 == 0, candidates, 99).min(axis=-1)
+    code = np.where(even < 99, even, candidates.min(axis=-1)).astype(np.uint8)
+    return code | (np.signbit(v).astype(np.uint8) << 3)
+
+
+def _encode_fp4_tokens(x, nope, amax, spec):
+    """FP4 rows: E4M3 scale = e4m3(clamp(amax / 6, 2^-9, 448)), E2M1 codes of x / scale, packed in pairs."""
+    n = x.shape[0]
+    ratio = (amax / np.float32(6.0)).astype(np.float32)
+    scale8 = np.clip(ratio, np.float32(2.0 ** -9), FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    scale = scale8.astype(np.float32)
+    codes = e2m1_round((nope / scale[:, :, None]).astype(np.float32)).reshape(n, -1)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    data = np.zeros((n, spec.data_row), np.uint8)
+    data[:, spec.quant_offset: spec.quant_offset + packed.shape[1]] = packed
+    rope = x[:, spec.quant_lanes:].astype(ml_dtypes.bfloat16).view(np.uint8).reshape(n, -1)
+    data[:, spec.bf16_offset: spec.bf16_offset + rope.shape[1]] = rope
+    scales = np.zeros((n, spec.scale_row), np.uint8)  # the dsv4_nvfp4 pad bytes stay zero
+    scales[:, : spec.groups] = scale8.view(np.uint8)
     return data, scales
 
 
@@ -301,7 +365,7 @@ def quantize(kv: np.ndarray, key: str, page_size: int = 64) -> np.ndarray:
 
 def make_cache(pages: np.ndarray, key: str, form: str = "3d", *, row_bytes: Optional[int] = None,
                page_bytes: Optional[int] = None, fill: int = 0xFF) -> np.ndarray:
-    """Lays out quantize()'s pages in one of the forms of SPEC §3; padding bytes are ``fill``.
+    """Lays out quantize()'s pages in one of the accepted cache shapes; padding bytes are ``fill``.
 
     form: "3d", "nhd", "hnd", "2d" (quantized: [pages, page_bytes]; bf16: [slots, d_qk]).
     row_bytes: inline formats, padded row width (3-D/4-D). page_bytes: 2-D quantized page width.
@@ -344,7 +408,7 @@ def poison(cache: np.ndarray, key: str, keep_slots, page_size: Optional[int] = N
 
 
 # --------------------------------------------------------------------------------------------------
-# Attention semantics (SPEC §4)
+# Attention semantics (docs/semantics.md)
 # --------------------------------------------------------------------------------------------------
 
 def valid_candidates(indices, num_slots: int, topk_length=None, window: int = 0) -> np.ndarray:
@@ -374,7 +438,7 @@ class CandidateSource:
 
 def attention(q, sources: Sequence[CandidateSource], *, key: str, sm_scale: float, attn_sink=None,
               valid_tokens=None, window: Optional[int] = None):
-    """float64 (out [T, H, d_v], lse [T, H]) per SPEC §4; the softmax is joint over all sources.
+    """float64 (out [T, H, d_v], lse [T, H]) per docs/semantics.md; the softmax is joint over all sources.
 
     ``window`` overrides the format's candidate window (tests use 0 to show the window matters).
     """
@@ -426,11 +490,12 @@ def merge_states(out_a, lse_a, out_b, lse_b):
 
 
 # --------------------------------------------------------------------------------------------------
-# The accuracy contract (SPEC §4)
+# The accuracy contract (docs/semantics.md, accuracy contract)
 # --------------------------------------------------------------------------------------------------
 
 def check_accuracy(out, lse, ref_out, ref_lse, *, out_tol=2e-2, l2_tol=1e-2, lse_tol=1e-3):
-    """Asserts SPEC §4's contract. Rows whose reference is empty (lse ±inf) must be exactly zero."""
+    """Asserts the accuracy contract (docs/semantics.md). Rows whose reference is empty (lse ±inf) must be
+    exactly zero."""
     out = np.asarray(out).astype(np.float64)
     lse = np.asarray(lse).astype(np.float64)
     assert out.shape == ref_out.shape, (out.shape, ref_out.shape)

@@ -10,12 +10,12 @@ LISTS = ("JSMLA_CPU_SOURCES", "JSMLA_CPU_MODULE_SOURCES", "JSMLA_CUDA_SOURCES", 
 
 
 def cmake_lists():
-    text = (ROOT / "cmake" / "sources.cmake").read_text()
+    text = re.sub(r"#[^\n]*", "", (ROOT / "cmake" / "sources.cmake").read_text())
     return {name: body.split() for name, body in re.findall(r"set\((\w+)\s+([^)]*)\)", text)}
 
 
 def bazel_lists():
-    text = (ROOT / "BUILD").read_text()
+    text = re.sub(r"#[^\n]*", "", (ROOT / "BUILD").read_text())
     return {name: re.findall(r'"([^"]+)"', body) for name, body in re.findall(r"^(\w+) = \[(.*?)\]", text, re.S | re.M)}
 
 

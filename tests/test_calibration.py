@@ -1,4 +1,5 @@
-"""The calibration file (SPEC §6) and the planner's use of it; no GPU needed."""
+"""The calibration file (docs/planning.md, calibration), the fit of calibrate() and the planner's use of both;
+no GPU needed."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import jax.numpy as jnp
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla import calibration, planner
+from jax_sparse_mla import calibration, calibration_store, planner
 
 DEVICE = planner.DeviceInfo(name="Test GPU 9000", platform="cuda", arch=90, sm_count=132,
-                            l2_bytes=60 << 20, smem_per_block=227 << 10)
+                            smem_per_block=227 << 10)
 
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(calibration.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setenv(calibration_store.ENV_CACHE_DIR, str(tmp_path))
     planner.clear_cache()
     yield tmp_path
     planner.clear_cache()
@@ -32,67 +33,67 @@ def _write(path, payload):
 
 
 def test_directory_override_by_environment(cache_dir):
-    assert calibration.calibration_path() == cache_dir / "calibration.json"
+    assert calibration_store.calibration_path() == cache_dir / "calibration.json"
 
 
 def test_missing_file_means_no_constants(cache_dir):
-    assert calibration.device_constants("anything") is None
-    assert calibration.load() == {}
+    assert calibration_store.device_constants("anything") is None
+    assert calibration_store.load() == {}
 
 
 def test_store_then_read_back(cache_dir):
-    calibration.store("A", {"block_us": 1.5})
-    calibration.store("B", {"block_us": 2.5})
-    assert calibration.device_constants("A") == {"block_us": 1.5}
-    assert calibration.device_constants("B") == {"block_us": 2.5}
-    data = json.loads(calibration.calibration_path().read_text())
-    assert data["schema"] == calibration.SCHEMA_VERSION
+    calibration_store.store("A", {"block_us": 1.5})
+    calibration_store.store("B", {"block_us": 2.5})
+    assert calibration_store.device_constants("A") == {"block_us": 1.5}
+    assert calibration_store.device_constants("B") == {"block_us": 2.5}
+    data = json.loads(calibration_store.calibration_path().read_text())
+    assert data["schema"] == calibration_store.SCHEMA_VERSION
     assert set(data["devices"]) == {"A", "B"}
     leftovers = [p for p in cache_dir.iterdir() if p.name.startswith(".calibration.")]
     assert leftovers == [], "atomic write left a temporary file"
 
 
 @pytest.mark.parametrize("payload", ["{not json", json.dumps([1, 2]), json.dumps({"schema": 0, "devices": {}}),
-                                     json.dumps({"schema": calibration.SCHEMA_VERSION + 1,
+                                     json.dumps({"schema": calibration_store.SCHEMA_VERSION + 1,
                                                  "devices": {"A": {"constants": {"block_us": 9}}}})])
 def test_corrupt_or_other_schema_is_ignored(cache_dir, payload):
-    _write(calibration.calibration_path(), payload)
-    assert calibration.device_constants("A") is None
+    _write(calibration_store.calibration_path(), payload)
+    assert calibration_store.device_constants("A") is None
 
 
 def test_stale_file_is_not_reparsed_until_it_changes(cache_dir, monkeypatch):
-    path = calibration.calibration_path()
+    path = calibration_store.calibration_path()
     _write(path, {"schema": 0, "devices": {"A": {"constants": {"block_us": 9}}}})
     parses = []
-    real_parse = calibration._parse
-    monkeypatch.setattr(calibration, "_parse", lambda text: parses.append(1) or real_parse(text))
+    real_parse = calibration_store._parse
+    monkeypatch.setattr(calibration_store, "_parse", lambda text: parses.append(1) or real_parse(text))
     for _ in range(5):
-        assert calibration.device_constants("A") is None
+        assert calibration_store.device_constants("A") is None
     assert len(parses) == 1, "a stale file must be remembered by its change token"
-    _write(path, {"schema": calibration.SCHEMA_VERSION, "devices": {"A": {"constants": {"block_us": 3}}}})
-    assert calibration.device_constants("A") == {"block_us": 3}
+    _write(path, {"schema": calibration_store.SCHEMA_VERSION, "devices": {"A": {"constants": {"block_us": 3}}}})
+    assert calibration_store.device_constants("A") == {"block_us": 3}
     assert len(parses) == 2
 
 
 def test_changed_file_is_reread(cache_dir):
-    calibration.store("A", {"block_us": 1.0})
-    assert calibration.device_constants("A") == {"block_us": 1.0}
-    calibration.store("A", {"block_us": 7.0})
-    assert calibration.device_constants("A") == {"block_us": 7.0}
+    calibration_store.store("A", {"block_us": 1.0})
+    assert calibration_store.device_constants("A") == {"block_us": 1.0}
+    calibration_store.store("A", {"block_us": 7.0})
+    assert calibration_store.device_constants("A") == {"block_us": 7.0}
 
 
 def test_store_replaces_an_old_schema_file(cache_dir):
-    _write(calibration.calibration_path(), {"schema": 0, "devices": {"old": {}}})
-    calibration.store("A", {"block_us": 1.0})
-    data = json.loads(calibration.calibration_path().read_text())
-    assert data["schema"] == calibration.SCHEMA_VERSION and set(data["devices"]) == {"A"}
+    _write(calibration_store.calibration_path(), {"schema": 0, "devices": {"old": {}}})
+    calibration_store.store("A", {"block_us": 1.0})
+    data = json.loads(calibration_store.calibration_path().read_text())
+    assert data["schema"] == calibration_store.SCHEMA_VERSION and set(data["devices"]) == {"A"}
 
 
 def _writer(args):
     directory, name, count = args
-    os.environ[calibration.ENV_CACHE_DIR] = directory
+    os.environ[calibration_store.ENV_CACHE_DIR] = directory
     for i in range(count):
-        calibration.store(f"{name}-{i % 3}", {"block_us": float(i)})
+        calibration_store.store(f"{name}-{i % 3}", {"block_us": float(i)})
     return name
 
 
@@ -100,8 +101,8 @@ def test_two_processes_writing_at_once(cache_dir):
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(2) as pool:
         assert sorted(pool.map(_writer, [(str(cache_dir), "p", 40), (str(cache_dir), "q", 40)])) == ["p", "q"]
-    data = json.loads(calibration.calibration_path().read_text())
-    assert data["schema"] == calibration.SCHEMA_VERSION
+    data = json.loads(calibration_store.calibration_path().read_text())
+    assert data["schema"] == calibration_store.SCHEMA_VERSION
     assert set(data["devices"]) == {f"{n}-{i}" for n in "pq" for i in range(3)}, "an update was lost"
 
 
@@ -127,7 +128,7 @@ def test_planner_uses_calibrated_constants(cache_dir):
     # A device with free conversion and no fixed costs: every extra block is free, so the small head
     # tile in one pass wins, unlike the default constants' choice.
     constants = {"combine_gbps": 1e6, "block_us": 0.0, "launch_us": 0.0, "dequant_ns": 0.0}
-    calibration.store(DEVICE.name, constants)
+    calibration_store.store(DEVICE.name, constants)
     calibrated = jsm.plan(shape, "dsv3_2", topk, platform="cuda", device=DEVICE)
     assert "calibrated constants" in calibrated.describe()
     choice = lambda p: (p.variant, p.heads_per_block, p.num_splits)  # noqa: E731
@@ -139,7 +140,7 @@ def test_planner_uses_calibrated_constants(cache_dir):
         expected += model.combine_us(calibrated.num_splits, 16, 128, 512)
     assert calibrated.predicted_us == pytest.approx(expected)
     # A changed file is picked up by the next trace without clearing anything.
-    calibration.store(DEVICE.name, {"combine_gbps": 1.0})
+    calibration_store.store(DEVICE.name, {"combine_gbps": 1.0})
     slow_combine = jsm.plan(shape, "dsv3_2", topk, platform="cuda", device=DEVICE)
     assert slow_combine.variant == "prefill"
 
@@ -176,36 +177,38 @@ def test_forced_variants_and_batch_invariance(cache_dir):
 
 
 def test_cuda_plans_respect_the_kernel_contract(cache_dir):
-    from jax_sparse_mla import cuda_config
+    from jax_sparse_mla import kernel_tables
 
     for key, fmt in jsm.FORMATS.items():
+        if not kernel_tables.has_cuda_kernels(key):
+            continue
         for t in (1, 3, 64, 1000):
             for h in (1, 16, 20, 64, 128):
                 for topk in (1, 63, 2048):
                     p = jsm.plan((t, h, fmt.d_qk), key, topk, platform="cuda", device=DEVICE)
-                    assert p.heads_per_block in cuda_config.HEAD_TILES[key]
+                    assert p.heads_per_block in kernel_tables.HEAD_TILES[key]
                     if p.variant == "decode":
-                        assert p.split_size % cuda_config.SPLIT_GRANULE == 0
+                        assert p.split_size % kernel_tables.SPLIT_GRANULE == 0
                         assert p.num_splits * p.split_size >= topk
                         assert (p.num_splits - 1) * p.split_size < topk  # no empty split
-                        assert p.workspace_bytes == cuda_config.workspace_bytes(p.num_splits, t, h, fmt.d_v)
+                        assert p.workspace_bytes == kernel_tables.workspace_bytes(p.num_splits, t, h, fmt.d_v)
 
 
 def test_fit_recovers_a_known_cost_model():
     """calibrate()'s least-squares fit, on times a known model predicts for the calibration shapes,
     predicts every timed choice within 3% and plans like the known model on other shapes."""
-    from jax_sparse_mla import _measure
+    from jax_sparse_mla import calibration
 
     fmt = jsm.get_format("dsv3_2")
     truth = planner.CostModel(launch_us=9.0, block_us=1.5, dequant_ns=70.0, mma_ns_per_head=0.7,
                               co_residency_gain=1.6, combine_gbps=2000.0, tail=0.5)
     samples = []
     for heads in (16, 64, 128):
-        for tokens in _measure.CALIBRATION_TOKENS:
-            for variant, tile, splits in _measure.calibration_choices(tokens, heads, fmt.key):
+        for tokens in calibration.CALIBRATION_TOKENS:
+            for variant, tile, splits in calibration.calibration_choices(tokens, heads, fmt.key):
                 us = planner.option_us(truth, fmt, tokens, heads, 2048, variant, tile, splits, DEVICE)
                 samples.append((fmt.key, tokens, heads, 2048, variant, tile, splits, us))
-    fitted = _measure.fit_cost_model(samples, DEVICE)
+    fitted = calibration.fit_cost_model(samples, DEVICE)
     assert fitted != planner.CostModel()
     for key, tokens, heads, candidates, variant, tile, splits, us in samples:
         predicted = planner.option_us(fitted, fmt, tokens, heads, candidates, variant, tile, splits, DEVICE)
@@ -219,7 +222,7 @@ def test_fit_recovers_a_known_cost_model():
 def test_step_timing_queues_calls_and_divides_by_all_steps(monkeypatch):
     """median_step_seconds: two warm-up calls, then `calls` queued calls per sample, one wait per sample,
     and the sample's time divided by calls x steps."""
-    from jax_sparse_mla import _measure
+    from jax_sparse_mla import timing
 
     launched, waited = [], []
     clock = iter(range(0, 1000, 1))  # perf_counter: 0, 1, 2, ... (one tick per reading)
@@ -228,9 +231,9 @@ def test_step_timing_queues_calls_and_divides_by_all_steps(monkeypatch):
         launched.append(x)
         return x
 
-    monkeypatch.setattr(_measure.time, "perf_counter", lambda: float(next(clock)))
-    monkeypatch.setattr(_measure.jax, "block_until_ready", lambda value: waited.append(value) or value)
-    median, fastest, slowest = _measure.median_step_seconds(run, (7,), steps=5, repeats=3, calls=4)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(timing.jax, "block_until_ready", lambda value: waited.append(value) or value)
+    median, fastest, slowest = timing.median_step_seconds(run, (7,), steps=5, repeats=3, calls=4)
     assert len(launched) == 2 + 3 * 4
     assert waited[:2] == [7, 7] and waited[2:] == [[7, 7, 7, 7]] * 3  # one wait per sample, on all its calls
     assert median == fastest == slowest == pytest.approx(1.0 / (4 * 5))  # one tick per 20 steps

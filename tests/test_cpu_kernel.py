@@ -148,32 +148,38 @@ def test_subnormal_inputs_read_as_zero_on_every_instruction_set(rng, monkeypatch
 
 
 @pytest.mark.parametrize("isa", INSTRUCTION_SETS)
-@pytest.mark.parametrize("key", ["dsv4", "glm_nsa"])
-def test_every_fp8_code_is_dequantized_exactly(rng, monkeypatch, isa, key):
-    """A row attending to one candidate returns that candidate's V: with its FP8 lanes set to every
-    finite code, out must be each code times its group scale, as a float32 product rounded to BF16 (exact
-    for the power-of-two scales of dsv4; the code -0 gives +0, a sum of one term)."""
+@pytest.mark.parametrize("key", ["dsv4", "glm_nsa", "dsv4_nvfp4", "dsv4_1_fp4"])
+def test_every_quantized_code_is_dequantized_exactly(rng, monkeypatch, isa, key):
+    """A row attending to one candidate returns that candidate's V: with its quantized lanes set to every
+    finite FP8 (or every FP4) code, out must be each code times its group scale, as a float32 product
+    rounded to BF16 (exact for UE8M0 and E4M3 scales; the code -0 gives +0, a sum of one term)."""
     if isa not in supported_instruction_sets():
         pytest.skip(f"this CPU has no {isa}")
     monkeypatch.setenv("JSMLA_CPU_ISA", isa)
     spec = oracle.SPECS[key]
     case = make_case(rng, key, num_tokens=1, num_heads=3, topk=1, page_size=4, topk_length=None,
                      invalid_fraction=0.0, poison=False)
-    finite_codes = np.array([c for c in range(256) if c & 0x7f != 0x7f], np.uint8)
+    if spec.bits == 4:
+        codes = np.resize(np.arange(16, dtype=np.uint8), spec.quant_lanes)
+        code_bytes = codes[0::2] | (codes[1::2] << 4)
+    else:
+        code_bytes = np.resize(np.array([c for c in range(256) if c & 0x7f != 0x7f], np.uint8), spec.quant_lanes)
     cache = case.main.array.copy()
     raw = oracle.cache_bytes(cache)
     geom = oracle.geometry(cache.shape, key)
-    start = oracle.slot_byte_ranges(geom, key, int(case.indices[0, 0]))[0][0] + spec.fp8_offset
-    raw[start: start + spec.fp8_lanes] = np.resize(finite_codes, spec.fp8_lanes)
+    start = oracle.slot_byte_ranges(geom, key, int(case.indices[0, 0]))[0][0] + spec.quant_offset
+    raw[start: start + code_bytes.size] = code_bytes
     case = dataclasses.replace(case, main=dataclasses.replace(case.main, array=cache))
     out, _ = case.run("auto")
     data, scales = oracle.read_slots(cache, key, case.indices[0])
-    codes = oracle._fp8_to_f64(data[0, spec.fp8_offset: spec.fp8_offset + spec.fp8_lanes]).astype(np.float32)
     raw_scales = (data if spec.kind == "inline" else scales)[0, spec.scale_offset:
                                                               spec.scale_offset + spec.groups * spec.scale_width]
-    scale = oracle._fp32_to_f64(raw_scales) if spec.scale == "fp32" else oracle._ue8m0_to_f64(raw_scales)
-    want = (codes * np.repeat(scale.astype(np.float32), spec.group)).astype(ml_dtypes.bfloat16)
-    lanes = min(spec.d_v, spec.fp8_lanes)
+    scale = {"fp32": oracle._fp32_to_f64, "ue8m0": oracle._ue8m0_to_f64, "e4m3": oracle._fp8_to_f64}[spec.scale](
+        raw_scales).astype(np.float32)
+    values = oracle.decode_tokens(data, scales, key)[0, : spec.quant_lanes]
+    unscaled = (values / np.repeat(scale, spec.group)).astype(np.float32)  # the codes' values, exactly
+    want = (unscaled * np.repeat(scale, spec.group)).astype(ml_dtypes.bfloat16)
+    lanes = min(spec.d_v, spec.quant_lanes)
     for h in range(3):
         np.testing.assert_array_equal(out[0, h, :lanes].astype(np.float32), want[:lanes].astype(np.float32))
 

@@ -1,4 +1,4 @@
-"""SPEC §5: every trace-time rejection, with the right exception type and a message naming the argument.
+"""docs/errors.md: every trace-time rejection, with the right exception type and a message naming the argument.
 
 Wrong dtypes raise TypeError; everything else ValueError. Arguments are numpy arrays (so int64 and other
 dtypes JAX would canonicalise reach the validation as given) or ShapeDtypeStructs under eval_shape.
@@ -347,3 +347,64 @@ def test_handler_rejects_a_cuda_variant_on_cpu():
     cpu_plan = planner.plan((T, H, 576), "dsv3_2", TOPK, platform="cpu")
     with pytest.raises(Exception, match="variant"):
         jax.block_until_ready(_raw_call(problem, *args, plan=dataclasses.replace(cpu_plan, variant="decode")))
+
+
+# --------------------------------------------------------------------------------------------------
+# FP4 formats and mixed dual caches: the CPU kernel and impl="xla" serve them, CUDA does not yet
+# --------------------------------------------------------------------------------------------------
+
+def _dual_operands(main_key, extra_key):
+    main = jnp.zeros((2, 4, jsm.get_format(main_key).bytes_per_token), jnp.uint8)
+    extra = jnp.zeros((1, 4, jsm.get_format(extra_key).bytes_per_token), jnp.uint8)
+    return jnp.zeros((2, 3, 512), jnp.bfloat16), main, jnp.zeros((2, 5), jnp.int32), extra, jnp.zeros((2, 3), jnp.int32)
+
+
+def test_extra_kv_format_pairs():
+    q, main, idx, extra, extra_idx = _dual_operands("dsv4", "dsv4_1_fp4")
+    with pytest.raises(ValueError, match=r"extra_kv_format: expected one of \['dsv4', 'dsv4_nvfp4'\] for a dsv4 main "
+                                         r"cache, got 'dsv4_1_fp4'"):
+        jsm.sparse_mla(q, main, idx, kv_format="dsv4", sm_scale=0.1, extra_kv_cache=extra, extra_indices=extra_idx,
+                       extra_kv_format="dsv4_1_fp4")
+    with pytest.raises(ValueError, match="extra_kv_format: given without extra_kv_cache"):
+        jsm.sparse_mla(q, main, idx, kv_format="dsv4", sm_scale=0.1, extra_kv_format="dsv4_nvfp4")
+    q, main, idx, extra, extra_idx = _dual_operands("dsv4_1", "dsv4_1_fp4")
+    out, lse = jsm.sparse_mla(q, main, idx, kv_format="dsv4_1", sm_scale=0.1, extra_kv_cache=extra,
+                              extra_indices=extra_idx, extra_kv_format="dsv4_1_fp4")
+    assert out.shape == (2, 3, 512)
+    # The extra cache is validated against its own format: a dsv4_1-sized extra cache is not an FP4 cache.
+    with pytest.raises(ValueError, match="extra_kv_cache: footer format dsv4_1_fp4 needs row_bytes == 288"):
+        jsm.sparse_mla(q, main, idx, kv_format="dsv4_1", sm_scale=0.1, extra_kv_cache=main, extra_indices=extra_idx,
+                       extra_kv_format="dsv4_1_fp4")
+
+
+def test_supported_configs_and_check_supported_list_the_dual_pairs():
+    configs = jsm.supported_configs()
+    assert configs["dsv4_1"]["extra_formats"] == ["dsv4_1", "dsv4_1_fp4"]
+    assert configs["dsv4_nvfp4"]["extra_formats"] == ["dsv4_nvfp4"]
+    assert configs["dsv3_2"]["extra_formats"] == []
+    assert configs["dsv4_nvfp4"]["platforms"]["cuda"]["variants"] == []
+    assert configs["dsv4"]["platforms"]["cuda"]["variants"] == ["decode", "prefill"]
+    jsm.check_supported("dsv4_1", extra_kv_format="dsv4_1_fp4")
+    with pytest.raises(ValueError, match=r"extra_kv_format='dsv4_1_fp4' \(allowed \['dsv4', 'dsv4_nvfp4'\]\)"):
+        jsm.check_supported("dsv4", extra_kv_format="dsv4_1_fp4")
+    with pytest.raises(ValueError, match="platform='cuda' for dsv4_nvfp4"):
+        jsm.check_supported("dsv4_nvfp4", platform="cuda")
+    jsm.check_supported("dsv4_nvfp4", platform="cpu")
+
+
+def test_fp4_and_mixed_pairs_have_no_cuda_plan(monkeypatch):
+    with pytest.raises(ValueError, match="kv_format: 'dsv4_nvfp4' has no CUDA kernel yet"):
+        jsm.plan((1, 16, 512), "dsv4_nvfp4", 64, platform="cuda")
+    assert jsm.plan((1, 16, 512), "dsv4_nvfp4", 64, platform="cpu").variant == "reference"
+    from jax_sparse_mla import api
+
+    q, main, idx, extra, extra_idx = _dual_operands("dsv4_1", "dsv4_1_fp4")
+    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="extra_kv_format: an extra cache in 'dsv4_1_fp4' beside a 'dsv4_1' main"):
+        jax.eval_shape(lambda q: jsm.sparse_mla(q, main, idx, kv_format="dsv4_1", sm_scale=0.1, extra_kv_cache=extra,
+                                                extra_indices=extra_idx, extra_kv_format="dsv4_1_fp4"), q)
+    fp4 = jnp.zeros((2, 4, 288), jnp.uint8)
+    with pytest.raises(ValueError, match="kv_format: 'dsv4_1_fp4' has no CUDA kernel yet"):
+        jax.eval_shape(lambda q: jsm.sparse_mla(q, fp4, idx, kv_format="dsv4_1_fp4", sm_scale=0.1), q)
+    out = jax.eval_shape(lambda q: jsm.sparse_mla(q, fp4, idx, kv_format="dsv4_1_fp4", sm_scale=0.1, impl="xla"), q)
+    assert out[0].shape == (2, 3, 512)

@@ -1,4 +1,5 @@
-"""``jax.export`` of programs that call ``sparse_mla`` (SPEC §7): round trips, T = 0, other platforms."""
+"""``jax.export`` of programs that call ``sparse_mla`` (docs/sharding_and_export.md): round trips, T = 0,
+other platforms."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def _variants(exported) -> list:
 
 def test_disabled_checks_cover_every_registered_target():
     checks = disabled_checks()
-    assert checks == [jax.export.DisabledSafetyCheck.custom_call(_ffi.TARGET)]
-    assert set(_ffi._cpu_ext.registrations()) == {_ffi.TARGET}
+    assert checks == [jax.export.DisabledSafetyCheck.custom_call(t) for t in (_ffi.TARGET, _ffi.BACKWARD_TARGET)]
+    assert set(_ffi._cpu_ext.registrations()) == {_ffi.TARGET, _ffi.BACKWARD_TARGET}
 
 
 def test_export_without_disabled_checks_fails_clearly():

@@ -1,4 +1,4 @@
-"""SPEC §3: the format table, quantize/dequantize/update_kv bit-exactness, and accepted cache shapes."""
+"""docs/formats.md: the format table, quantize/dequantize/update_kv bit-exactness, and accepted cache shapes."""
 
 from __future__ import annotations
 
@@ -30,13 +30,15 @@ def test_format_table_matches_spec(key):
     spec, fmt = oracle.SPECS[key], jsm.FORMATS[key]
     assert jsm.get_format(key) is fmt and fmt.key == key and str(fmt) == key
     expected_layout = {"inline": Layout.INLINE, "footer": Layout.FOOTER, "bf16": Layout.BF16}[spec.kind]
-    expected_scale = {"fp32": ScaleKind.FP32, "ue8m0": ScaleKind.UE8M0, None: ScaleKind.NONE}[spec.scale]
+    expected_scale = {"fp32": ScaleKind.FP32, "ue8m0": ScaleKind.UE8M0, "e4m3": ScaleKind.E4M3,
+                      None: ScaleKind.NONE}[spec.scale]
     assert fmt.layout == expected_layout
     assert fmt.scale_kind == expected_scale
     assert fmt.scale_bytes == spec.scale_width
     assert fmt.quantized == spec.quantized
     assert (fmt.d_qk, fmt.d_v, fmt.bytes_per_token) == (spec.d_qk, spec.d_v, spec.bytes_per_token)
-    assert (fmt.fp8_dim, fmt.bf16_dim) == (spec.fp8_lanes, spec.bf16_lanes)
+    assert (fmt.quant_dim, fmt.bf16_dim) == (spec.quant_lanes, spec.bf16_lanes)
+    assert fmt.quant_bits == (spec.bits if spec.quantized else 0)
     assert (fmt.group_size, fmt.num_groups) == (spec.group, spec.groups)
     assert fmt.data_row_bytes == spec.data_row
     assert fmt.scale_row_bytes == spec.scale_row
@@ -89,7 +91,7 @@ def test_unregistered_format_object_rejected():
 # --------------------------------------------------------------------------------------------------
 
 def crafted_rows(key: str) -> np.ndarray:
-    """Rows aimed at the rounding corners of SPEC §3's quantizer."""
+    """Rows aimed at the rounding corners of the quantizer (docs/formats.md, quantize_kv)."""
     spec = oracle.SPECS[key]
     rows = np.zeros((6, spec.d_qk), np.float32)  # row 0: an all-zero real token (clamped amax)
     rng = np.random.default_rng(7)
@@ -114,7 +116,25 @@ def crafted_rows(key: str) -> np.ndarray:
     if spec.bf16_lanes:
         rope = np.array([1 + 2.0**-8, 1 + 3 * 2.0**-8, 1 + 2.0**-8 + 2.0**-20, -(1 + 2.0**-8), 3.0e38, 1e-30],
                         np.float32)
-        rows[1:3, spec.fp8_lanes: spec.fp8_lanes + rope.size] = rope
+        rows[1:3, spec.quant_lanes: spec.quant_lanes + rope.size] = rope
+    if spec.bits == 4:
+        rows = np.concatenate([rows, fp4_crafted_rows(spec)])
+    return rows
+
+
+def fp4_crafted_rows(spec) -> np.ndarray:
+    """FP4 corners: E2M1 ties (to the even code) with a scale of exactly 1, negative values that round to
+    zero, saturation at ±6 when the E4M3 scale rounds down, and the 2^-9 scale clamp."""
+    rows = np.zeros((4, spec.d_qk), np.float32)
+    ties = np.array([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -2.5, -5.0, -0.1, 0.7499999,
+                     0.2500001, 4.9999995], np.float32)
+    assert ties.size == spec.group
+    for g in range(spec.groups):  # amax 6 in every group: scale e4m3(6 / 6) = 1
+        lanes = slice(g * spec.group, (g + 1) * spec.group)
+        rows[0, lanes] = ties if g % 2 == 0 else -ties
+        rows[1, lanes] = ties * np.float32(1.06)  # amax 6.36: the scale rounds down to 1, ±6 saturates
+        rows[2, lanes] = np.linspace(-1e-3, 1e-3, spec.group, dtype=np.float32)  # scale clamped to 2^-9
+        rows[3, lanes] = -np.linspace(0.0, 3.0, spec.group, dtype=np.float32) * 2.0 ** (g % 7 - 3)
     return rows
 
 
@@ -149,6 +169,27 @@ def test_quantize_kv_bit_exact(rng, key, page_size, num_tokens, kv_dtype):
 def test_quantize_kv_crafted_rows_bit_exact(key):
     rows = crafted_rows(key)
     _assert_same_bytes(_quantize_jit(rows, key, 2), oracle.quantize(rows, key, 2))
+
+
+@pytest.mark.parametrize("key", [k for k, s in oracle.SPECS.items() if s.bits == 4])
+def test_fp4_rounding_corners(key):
+    """E2M1 rounding by value: ties go to the even code, ±6 saturates, a negative value that rounds to
+    zero keeps its sign, and the scales are E4M3 of amax / 6 clamped to [2^-9, 448]."""
+    spec = oracle.SPECS[key]
+    rows = fp4_crafted_rows(spec)
+    data, scales = oracle.read_slots(_quantize_jit(rows, key, 4), key, np.arange(4))
+    codes = np.stack([data[:, :spec.quant_lanes // 2] & 0xF, data[:, :spec.quant_lanes // 2] >> 4], -1).reshape(4, -1)
+    scale = scales[:, :spec.groups].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert np.all(scale[0] == 1.0) and np.all(scale[1] == 1.0) and np.all(scale[2] == 2.0**-9)
+    want = {6.0: 7, 0.25: 0, 0.75: 2, 1.25: 2, 1.75: 4, 2.5: 4, 3.5: 6, 5.0: 6, -0.25: 8, -0.75: 10, -2.5: 12,
+            -5.0: 14, -0.1: 8, 0.7499999: 1, 0.2500001: 1, 4.9999995: 6}
+    want = {float(np.float32(value)): code for value, code in want.items()}
+    for lane, value in enumerate(rows[0, :spec.group]):
+        assert codes[0, lane] == want[float(value)], (value, codes[0, lane])
+        assert codes[0, spec.group + lane] == want[float(value)] ^ 8  # the negated group: the sign bit flips
+    assert np.all((codes[1] & 7)[np.abs(rows[1, :spec.quant_lanes]) > 6.0] == 7)  # saturated at ±6
+    k, _ = jsm.dequantize_kv(jnp.asarray(_quantize_jit(rows, key, 4)), key)
+    assert np.abs(np.asarray(k)[1, :spec.quant_lanes]).max() == 6.0
 
 
 @pytest.mark.parametrize("key", ["dsv3_2", "dsv4", "dsv4_1", "dots3_swa"])
@@ -276,11 +317,14 @@ def test_quantize_dequantize_round_trip_error(rng, key):
     k = np.asarray(k)[:9]
     assert np.all(np.isfinite(k))
     if spec.quantized:
-        nope = slice(0, spec.fp8_lanes)
+        nope = slice(0, spec.quant_lanes)
         amax = np.abs(kv[:, nope]).reshape(9, spec.groups, spec.group).max(-1, keepdims=True)
         err = np.abs(k[:, nope] - kv[:, nope]).reshape(9, spec.groups, spec.group)
-        assert np.all(err <= amax * 2 * 2.0**-4 + 1e-30)
-    rope = slice(spec.fp8_lanes, spec.d_qk)
+        # Half an FP8 step (3 mantissa bits) of the group's largest value, or for FP4 half the widest E2M1
+        # step (2 at magnitudes 4..6) times the E4M3-rounded scale amax/6 (rounding up by up to 2^-4).
+        step = 2 * 2.0**-4 if spec.bits == 8 else (1.0 / 6.0) * (1 + 2.0**-4)
+        assert np.all(err <= amax * step + 1e-30)
+    rope = slice(spec.quant_lanes, spec.d_qk)
     np.testing.assert_allclose(k[:, rope], kv[:, rope], rtol=2.0**-8)
 
 

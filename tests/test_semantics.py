@@ -1,4 +1,5 @@
-"""SPEC §4 semantics of ``sparse_mla`` against the float64 oracle, for the CPU FFI kernel and impl="xla".
+"""The semantics of ``sparse_mla`` (docs/semantics.md) against the float64 oracle, for the CPU FFI kernel
+and impl="xla".
 
 Unless a test says otherwise, every cache slot not referenced by a valid candidate, and every padding
 byte, is 0xFF (NaN as FP8, UE8M0, FP32 and BF16): any read of an unused byte shows up as NaN.
@@ -93,7 +94,7 @@ def test_int8_and_fp8_views_of_the_same_bytes(rng, impl, key, view):
 
 
 @pytest.mark.parametrize("kind", cases.INVALID_INDEX_KINDS)
-@pytest.mark.parametrize("key", ["dsv3_2", "dsv4_1", "bf16_512"])
+@pytest.mark.parametrize("key", ["dsv3_2", "dsv4_1", "bf16_512", "dsv4_nvfp4"])
 def test_invalid_indices_are_masked(rng, impl, key, kind):
     case = make_case(rng, key, num_tokens=4, num_heads=2, topk=9, page_size=4, invalid_fraction=0.0,
                      topk_length=None, poison=False)
@@ -108,7 +109,7 @@ def test_invalid_indices_are_masked(rng, impl, key, kind):
 
 
 @pytest.mark.parametrize("with_sink", [False, True])
-@pytest.mark.parametrize("key", ["glm_nsa", "dsv4", "bf16_576"])
+@pytest.mark.parametrize("key", ["glm_nsa", "dsv4", "bf16_576", "dsv4_1_fp4"])
 def test_empty_rows(rng, impl, key, with_sink):
     """Rows with no valid candidate: out = 0 and lse = -inf, or lse = sink with a sink."""
     num_heads = 3
@@ -128,7 +129,7 @@ def test_empty_rows(rng, impl, key, with_sink):
     np.testing.assert_array_equal(lse, want)
 
 
-@pytest.mark.parametrize("key", ["dsv3_2", "glm53_nope", "dsv4", "dots3_swa", "bf16_512"])
+@pytest.mark.parametrize("key", ["dsv3_2", "glm53_nope", "dsv4", "dots3_swa", "bf16_512", "dsv4_nvfp4"])
 def test_sinks_finite_infinite_and_absent(rng, impl, key):
     sink = np.array([0.7, np.inf, -np.inf, -2.5, 30.0], np.float32)
     case = make_case(rng, key, num_tokens=4, num_heads=5, topk=12, page_size=2, attn_sink=sink)
@@ -186,10 +187,16 @@ def test_dots3_swa_window_of_513(rng, impl, poisoned):
         np.testing.assert_array_equal(unwindowed_lse[2], ref_lse[2])
 
 
+DUAL_PAIRS = [("dsv4", "dsv4"), ("dsv4_1", "dsv4_1"), ("dsv4_nvfp4", "dsv4_nvfp4"), ("dsv4_1_fp4", "dsv4_1_fp4"),
+              ("dsv4", "dsv4_nvfp4"), ("dsv4_1", "dsv4_1_fp4")]
+
+
 @pytest.mark.parametrize("extra_form,extra_page", [("3d", 2), ("2d", 3), ("hnd", 4)])
-@pytest.mark.parametrize("key", ["dsv4", "dsv4_1"])
-def test_dual_cache_joint_softmax(rng, impl, key, extra_form, extra_page):
-    extra = dict(page_size=extra_page, form=extra_form, topk=7, cache_tokens=5 * extra_page + 1)
+@pytest.mark.parametrize("key,extra_key", DUAL_PAIRS)
+def test_dual_cache_joint_softmax(rng, impl, key, extra_key, extra_form, extra_page):
+    if extra_form != "2d" and extra_page % oracle.min_3d_page_multiple(extra_key):
+        extra_form = "2d"
+    extra = dict(page_size=extra_page, form=extra_form, topk=7, cache_tokens=5 * extra_page + 1, kv_format=extra_key)
     case = make_case(rng, key, num_tokens=5, num_heads=3, topk=11, page_size=64, extra=extra)
     out, lse, ref_out, ref_lse = case.check(impl)
     # Joint normalisation: lse is the logaddexp of the two caches' own lse.
@@ -202,10 +209,11 @@ def test_dual_cache_joint_softmax(rng, impl, key, extra_form, extra_page):
     extra_only.check(impl)
 
 
-@pytest.mark.parametrize("key", ["dsv4", "dsv4_1"])
-def test_dual_cache_lengths_and_sinks(rng, impl, key):
+@pytest.mark.parametrize("key,extra_key", DUAL_PAIRS)
+def test_dual_cache_lengths_and_sinks(rng, impl, key, extra_key):
     sink = np.array([0.3, -np.inf, np.inf, 1.0], np.float32)
-    extra = dict(page_size=1, form="2d", topk=9, topk_length=np.array([0, -4, 9, 3, 100, 1], np.int32))
+    extra = dict(page_size=1, form="2d", topk=9, topk_length=np.array([0, -4, 9, 3, 100, 1], np.int32),
+                 kv_format=extra_key)
     case = make_case(rng, key, num_tokens=6, num_heads=4, topk=5, page_size=2 * oracle.min_3d_page_multiple(key),
                      topk_length=np.array([5, 0, 0, 2, -1, 70], np.int32), attn_sink=sink, extra=extra)
     case.check(impl)
@@ -213,11 +221,12 @@ def test_dual_cache_lengths_and_sinks(rng, impl, key):
     without_lengths.check(impl)
 
 
+@pytest.mark.parametrize("key", ["glm_nsa", "dsv4_1_fp4"])
 @pytest.mark.parametrize("valid_tokens", [0, 2, 5, 9, -3], ids=lambda v: f"vt{v}")
 @pytest.mark.parametrize("shape", [(), (1,)], ids=["scalar", "[1]"])
-def test_valid_tokens(rng, impl, valid_tokens, shape):
+def test_valid_tokens(rng, impl, key, valid_tokens, shape):
     """Rows t >= valid_tokens give out = 0 and lse = -inf, even with a sink."""
-    case = make_case(rng, "glm_nsa", num_tokens=5, num_heads=2, topk=8, page_size=4,
+    case = make_case(rng, key, num_tokens=5, num_heads=2, topk=8, page_size=4,
                      valid_tokens=np.full(shape, valid_tokens, np.int32),
                      attn_sink=np.array([0.5, -1.0], np.float32) if shape else None)
     out, lse, *_ = case.check(impl)
@@ -227,7 +236,7 @@ def test_valid_tokens(rng, impl, valid_tokens, shape):
     np.testing.assert_array_equal(out[:rows].view(np.uint16), full[:rows].view(np.uint16))
 
 
-@pytest.mark.parametrize("key", ["dsv3_2", "dsv4", "dots3_swa"])
+@pytest.mark.parametrize("key", ["dsv3_2", "dsv4", "dots3_swa", "dsv4_nvfp4"])
 def test_deterministic(rng, impl, key):
     case = make_case(rng, key, num_tokens=6, num_heads=16, topk=64, page_size=64)
     kwargs = case.kwargs(impl)

@@ -1,4 +1,5 @@
-"""Sharding helpers (SPEC §7): values equal the unsharded op bit for bit, no collective touches the cache.
+"""Sharding helpers (docs/sharding_and_export.md): values equal the unsharded op bit for bit, no collective
+touches the cache.
 
 The multi-device checks need 8 host CPU devices, which must be forced before JAX starts its backend; other
 test files start it first in the pytest process, so this file runs itself as a script in a subprocess

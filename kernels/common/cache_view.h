@@ -42,9 +42,11 @@ struct CacheView {
   }
 };
 
-// One list of candidates per query row: global slots into `cache`.
+// One list of candidates per query row: global slots into `cache`, a cache of format `format` (the extra
+// list of a dual cache may use another format of the same widths).
 struct CandidateList {
   CacheView cache;
+  FormatId format = FormatId::kDsv32;
   const int32_t* indices = nullptr;     // [num_tokens, topk]
   int32_t topk = 0;                     // row width; 0 when the list is absent
   const int32_t* topk_length = nullptr; // [num_tokens] or nullptr (= topk)

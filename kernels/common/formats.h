@@ -22,11 +22,12 @@ enum class FormatId : int32_t {
   kDots3Swa = 5,
   kBf16_576 = 6,
   kBf16_512 = 7,
+  kDsv4Nvfp4 = 8,
+  kDsv41Fp4 = 9,
 };
-inline constexpr int kNumFormats = 8;
 
 enum class Layout : int32_t {
-  kInline = 0,  // each token row holds fp8 values, scales and bf16 lanes
+  kInline = 0,  // each token row holds the quantized values, scales and bf16 lanes
   kFooter = 1,  // a page stores all data rows, then all scale rows
   kBf16 = 2,    // unquantized bfloat16 rows
 };
@@ -35,6 +36,7 @@ enum class ScaleKind : int32_t {
   kNone = 0,
   kFp32 = 1,   // little-endian float32 per group
   kUe8m0 = 2,  // one exponent byte per group: 2^(b-127)
+  kE4m3 = 3,   // one float8_e4m3fn byte per group
 };
 
 struct FormatTraits {
@@ -44,10 +46,11 @@ struct FormatTraits {
   int32_t d_qk;              // query/key width
   int32_t d_v;               // value/output width: V is the first d_v lanes of K
   int32_t bytes_per_token;   // nominal payload per token (data + scales)
-  int32_t fp8_dim;           // leading K lanes stored as FP8
+  int32_t quant_dim;         // leading K lanes stored quantized (see quant_bits)
+  int32_t quant_bits;        // 8: FP8 e4m3; 4: FP4 e2m1, two lanes a byte (lane 2i in the low nibble); 0: none
   int32_t bf16_dim;          // trailing K lanes stored as BF16 (rope, or the whole bf16 row)
-  int32_t group_size;        // FP8 lanes per scale
-  int32_t num_groups;        // fp8_dim / group_size
+  int32_t group_size;        // quantized lanes per scale
+  int32_t num_groups;        // quant_dim / group_size
   int32_t data_row_bytes;    // inline: the whole row payload; footer: the data row; bf16: 2*d_qk
   int32_t scale_offset;      // inline: byte offset of the scales in the row; footer: 0 (scale row)
   int32_t scale_row_bytes;   // footer: bytes of one scale row (with padding); otherwise 0
@@ -57,29 +60,37 @@ struct FormatTraits {
   bool dual_cache;           // an extra cache may join the softmax
 
   constexpr int32_t scale_bytes() const {
-    return scale_kind == ScaleKind::kFp32 ? 4 : (scale_kind == ScaleKind::kUe8m0 ? 1 : 0);
+    return scale_kind == ScaleKind::kFp32 ? 4 : (scale_kind == ScaleKind::kNone ? 0 : 1);
   }
+  // Bytes of the quantized lanes at the start of a (data) row.
+  constexpr int32_t quant_bytes() const { return quant_dim * quant_bits / 8; }
 };
 
 // clang-format off
-inline constexpr FormatTraits kFormatTable[kNumFormats] = {
-  //  id                   layout            scale               dqk   dv   bpt  fp8  bf16 grp ng  data  soff srow b16off maxc  pow2   dual
-  {FormatId::kDsv32,     Layout::kInline, ScaleKind::kFp32,  576,  512, 656,  512, 64,  128, 4,  656,  512, 0,  528,   0,   true,  false},
-  {FormatId::kGlmNsa,    Layout::kInline, ScaleKind::kFp32,  576,  512, 656,  512, 64,  128, 4,  656,  512, 0,  528,   0,   false, false},
-  {FormatId::kGlm53Nope, Layout::kInline, ScaleKind::kFp32,  512,  512, 528,  512, 0,   128, 4,  528,  512, 0,  528,   0,   false, false},
-  {FormatId::kDsv4,      Layout::kFooter, ScaleKind::kUe8m0, 512,  512, 584,  448, 64,  64,  7,  576,  0,   8,  448,   0,   true,  true},
-  {FormatId::kDsv41,     Layout::kFooter, ScaleKind::kUe8m0, 512,  512, 528,  512, 0,   32,  16, 512,  0,   16, 512,   0,   true,  true},
-  {FormatId::kDots3Swa,  Layout::kFooter, ScaleKind::kUe8m0, 1088, 1024, 1160, 1024, 64, 128, 8,  1152, 0,   8,  1024,  513, true,  false},
-  {FormatId::kBf16_576,  Layout::kBf16,   ScaleKind::kNone,  576,  512, 1152, 0,   576, 0,   0,  1152, 0,   0,  0,     0,   false, false},
-  {FormatId::kBf16_512,  Layout::kBf16,   ScaleKind::kNone,  512,  512, 1024, 0,   512, 0,   0,  1024, 0,   0,  0,     0,   false, false},
+inline constexpr FormatTraits kFormatTable[] = {
+  //  id                   layout            scale               dqk   dv    bpt   qdim qbit bf16 grp ng  data  soff srow b16off maxc  pow2   dual
+  {FormatId::kDsv32,      Layout::kInline, ScaleKind::kFp32,  576,  512,  656,  512, 8,   64,  128, 4,  656,  512, 0,  528,   0,   true,  false},
+  {FormatId::kGlmNsa,     Layout::kInline, ScaleKind::kFp32,  576,  512,  656,  512, 8,   64,  128, 4,  656,  512, 0,  528,   0,   false, false},
+  {FormatId::kGlm53Nope,  Layout::kInline, ScaleKind::kFp32,  512,  512,  528,  512, 8,   0,   128, 4,  528,  512, 0,  528,   0,   false, false},
+  {FormatId::kDsv4,       Layout::kFooter, ScaleKind::kUe8m0, 512,  512,  584,  448, 8,   64,  64,  7,  576,  0,   8,  448,   0,   true,  true},
+  {FormatId::kDsv41,      Layout::kFooter, ScaleKind::kUe8m0, 512,  512,  528,  512, 8,   0,   32,  16, 512,  0,   16, 512,   0,   true,  true},
+  {FormatId::kDots3Swa,   Layout::kFooter, ScaleKind::kUe8m0, 1088, 1024, 1160, 1024, 8,  64,  128, 8,  1152, 0,   8,  1024,  513, true,  false},
+  {FormatId::kBf16_576,   Layout::kBf16,   ScaleKind::kNone,  576,  512,  1152, 0,   0,   576, 0,   0,  1152, 0,   0,  0,     0,   false, false},
+  {FormatId::kBf16_512,   Layout::kBf16,   ScaleKind::kNone,  512,  512,  1024, 0,   0,   512, 0,   0,  1024, 0,   0,  0,     0,   false, false},
+  {FormatId::kDsv4Nvfp4,  Layout::kFooter, ScaleKind::kE4m3,  512,  512,  384,  448, 4,   64,  16,  28, 352,  0,   32, 224,   0,   false, true},
+  {FormatId::kDsv41Fp4,   Layout::kFooter, ScaleKind::kE4m3,  512,  512,  288,  512, 4,   0,   16,  32, 256,  0,   32, 256,   0,   false, true},
 };
 // clang-format on
+inline constexpr int kNumFormats = sizeof(kFormatTable) / sizeof(kFormatTable[0]);
 
 constexpr const FormatTraits& format_traits(FormatId id) { return kFormatTable[static_cast<int>(id)]; }
 
 constexpr bool consistent(const FormatTraits& f) {
-  return f.fp8_dim + f.bf16_dim == f.d_qk && f.d_v <= f.d_qk &&
-         (f.group_size == 0 ? f.num_groups == 0 : f.num_groups * f.group_size == f.fp8_dim) &&
+  return f.quant_dim + f.bf16_dim == f.d_qk && f.d_v <= f.d_qk &&
+         (f.quant_dim == 0 ? f.quant_bits == 0 : (f.quant_bits == 8 || f.quant_bits == 4)) &&
+         (f.quant_bits != 4 || f.scale_kind == ScaleKind::kE4m3) &&
+         (f.group_size == 0 ? f.num_groups == 0 : f.num_groups * f.group_size == f.quant_dim) &&
+         f.quant_bytes() <= (f.bf16_dim > 0 ? f.bf16_offset : f.data_row_bytes) &&
          (f.layout == Layout::kFooter
               ? f.data_row_bytes + f.scale_row_bytes == f.bytes_per_token &&
                     f.num_groups * f.scale_bytes() <= f.scale_row_bytes
@@ -88,11 +99,13 @@ constexpr bool consistent(const FormatTraits& f) {
          (f.layout != Layout::kInline || f.scale_offset + f.num_groups * f.scale_bytes() <= f.data_row_bytes);
 }
 
-static_assert(consistent(kFormatTable[0]) && consistent(kFormatTable[1]) && consistent(kFormatTable[2]) &&
-                  consistent(kFormatTable[3]) && consistent(kFormatTable[4]) && consistent(kFormatTable[5]) &&
-                  consistent(kFormatTable[6]) && consistent(kFormatTable[7]),
-              "format table entries must be self-consistent");
-static_assert(static_cast<int>(kFormatTable[5].id) == 5 && static_cast<int>(kFormatTable[7].id) == 7,
-              "kFormatTable is indexed by FormatId");
+// Every row is self-consistent and sits at the index of its FormatId (format_traits() indexes by id).
+constexpr bool table_consistent() {
+  for (int i = 0; i < kNumFormats; ++i) {
+    if (!consistent(kFormatTable[i]) || static_cast<int>(kFormatTable[i].id) != i) return false;
+  }
+  return true;
+}
+static_assert(table_consistent(), "format table rows must be self-consistent and in FormatId order");
 
 }  // namespace jsmla

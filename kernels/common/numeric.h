@@ -53,6 +53,16 @@ JSMLA_HD float fp8_e4m3_to_float(uint8_t b) {
   return bits_to_float(sign | ((exponent + 120u) << 23) | (mantissa << 20));
 }
 
+// FP4 e2m1 (the low 4 bits of `code`): 1 sign, 2 exponent, 1 mantissa bit; magnitudes 0, 0.5, 1, 1.5, 2,
+// 3, 4, 6 (no infinities or NaN).
+JSMLA_HD float fp4_e2m1_to_float(uint8_t code) {
+  const uint32_t magnitude_code = code & 0x7u;
+  const uint32_t exponent = magnitude_code >> 1;
+  const float magnitude = exponent == 0 ? 0.5f * static_cast<float>(magnitude_code & 1u)
+                                        : bits_to_float((exponent + 126u) << 23 | (magnitude_code & 1u) << 22);
+  return (code & 0x8u) ? -magnitude : magnitude;
+}
+
 // UE8M0: 2^(b-127); 255 is NaN.
 JSMLA_HD float ue8m0_to_float(uint8_t b) {
   if (b == 0xffu) return bits_to_float(0x7fc00000u);
@@ -72,7 +82,21 @@ JSMLA_HD uint16_t load_u16_le(const uint8_t* p) {
 
 // Scale of group g of a row whose scales start at `scales`.
 JSMLA_HD float group_scale(const FormatTraits& f, const uint8_t* scales, int g) {
-  return f.scale_kind == ScaleKind::kFp32 ? load_fp32_le(scales + 4 * g) : ue8m0_to_float(scales[g]);
+  switch (f.scale_kind) {
+    case ScaleKind::kFp32: return load_fp32_le(scales + 4 * g);
+    case ScaleKind::kE4m3: return fp8_e4m3_to_float(scales[g]);
+    default: return ue8m0_to_float(scales[g]);
+  }
+}
+
+// Quantized lane i (< quant_dim) of a (data) row, before its group's scale: an FP8 byte, or a nibble of the
+// FP4 bytes (lane 2i in the low nibble of byte i).
+JSMLA_HD float quantized_lane(const FormatTraits& f, const uint8_t* row, int i) {
+  if (f.quant_bits == 4) {
+    const uint8_t pair = row[i / 2];
+    return fp4_e2m1_to_float(i % 2 ? static_cast<uint8_t>(pair >> 4) : static_cast<uint8_t>(pair & 0xfu));
+  }
+  return fp8_e4m3_to_float(row[i]);
 }
 
 }  // namespace jsmla

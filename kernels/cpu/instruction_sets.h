@@ -35,6 +35,28 @@ constexpr Fp8Table make_fp8_table() {
 }
 
 alignas(64) constexpr Fp8Table kFp8 = make_fp8_table();
+
+// BF16 bits of the magnitude of each FP4 e2m1 code (0, 0.5, 1, 1.5, 2, 3, 4, 6), twice: byte 2m and
+// 2m + 1 of the table are the low and high byte of code m's bits, for byte shuffles.
+struct Fp4Table {
+  uint16_t magnitude[8];
+};
+
+constexpr Fp4Table make_fp4_table() {
+  Fp4Table table{};
+  for (int code = 1; code < 8; ++code) {
+    const int exponent = code >> 1;
+    const int mantissa = code & 1;
+    table.magnitude[code] = static_cast<uint16_t>(exponent == 0 ? 0x3f00  // 0.5
+                                                                : ((exponent + 126) << 7) | (mantissa << 6));
+  }
+  return table;
+}
+
+alignas(16) constexpr Fp4Table kFp4 = make_fp4_table();
+static_assert(kFp4.magnitude[1] == 0x3f00 && kFp4.magnitude[2] == 0x3f80 && kFp4.magnitude[5] == 0x4040 &&
+                  kFp4.magnitude[7] == 0x40c0,
+              "the FP4 -> BF16 table must decode 0.5, 1, 3 and 6 exactly");
 static_assert(kFp8.magnitude[0x38] == 0x3f80 && kFp8.magnitude[0x7e] == 0x43e0 && kFp8.magnitude[1] == 0x3b00 &&
                   kFp8.magnitude[7] == 0x3c60,
               "the FP8 -> BF16 table must decode 1.0, 448 and the smallest and largest subnormals exactly");
@@ -179,14 +201,23 @@ struct Ops {
     }
     return r;
   }
+  static H fp4_to_bf16(const uint8_t* codes) {
+    H r;
+    for (int i = 0; i < kChunk; ++i) {
+      const uint8_t code = static_cast<uint8_t>(i % 2 ? codes[i / 2] >> 4 : codes[i / 2] & 0xfu);
+      r.lane[i] = static_cast<uint16_t>(kFp4.magnitude[code & 7] | ((code & 8u) << 12));
+    }
+    return r;
+  }
   static H load_bf16(const uint8_t* bytes) {
     H r;
     for (int i = 0; i < kChunk; ++i) r.lane[i] = load_u16_le(bytes + 2 * i);
     return r;
   }
-  static H scale_bf16(const H& x, float scale) {
+  static H scale_bf16(const H& x, float low_scale, float high_scale) {
     H r;
     for (int i = 0; i < kChunk; ++i) {
+      const float scale = i < kChunk / 2 ? low_scale : high_scale;
       const uint32_t bits = bits_of(float_of(static_cast<uint32_t>(x.lane[i]) << 16) * scale);
       r.lane[i] = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
     }
@@ -292,6 +323,19 @@ struct Ops {
     r = _mm256_blendv_epi8(r, words16(0x7fc0), _mm256_cmpeq_epi16(magnitude, words16(0x7f)));
     return _mm256_or_si256(r, _mm256_slli_epi16(_mm256_and_si256(x, words16(0x80)), 8));
   }
+  static JSMLA_INLINE H fp4_to_bf16(const uint8_t* codes) {
+    // Byte i of the 8 code bytes becomes word pair (low nibble, high nibble), then each word's bits come
+    // from the table by the byte indices (2m, 2m + 1) of its magnitude m.
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    const __m256i nibbles = _mm256_or_si256(_mm256_and_si256(bytes, ints(0xf)),
+                                            _mm256_slli_epi32(_mm256_and_si256(bytes, ints(0xf0)), 12));
+    const __m256i magnitude = _mm256_and_si256(nibbles, words16(7));
+    const __m256i table =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4.magnitude)));
+    const __m256i index = _mm256_add_epi16(_mm256_mullo_epi16(magnitude, words16(0x0202)), words16(0x0100));
+    const __m256i r = _mm256_shuffle_epi8(table, index);
+    return _mm256_or_si256(r, _mm256_slli_epi16(_mm256_and_si256(nibbles, words16(8)), 12));
+  }
   static JSMLA_INLINE H load_bf16(const uint8_t* bytes) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   }
@@ -299,10 +343,9 @@ struct Ops {
     const F value = mul(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)), scale);
     return _mm256_srli_epi32(round_bits(_mm256_castps_si256(value)), 16);
   }
-  static JSMLA_INLINE H scale_bf16(H x, float scale) {
-    const F s = set1(scale);
-    const __m256i low = scaled_half(_mm256_castsi256_si128(x), s);
-    const __m256i high = scaled_half(_mm256_extracti128_si256(x, 1), s);
+  static JSMLA_INLINE H scale_bf16(H x, float low_scale, float high_scale) {
+    const __m256i low = scaled_half(_mm256_castsi256_si128(x), set1(low_scale));
+    const __m256i high = scaled_half(_mm256_extracti128_si256(x, 1), set1(high_scale));
     return _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xd8);
   }
   static JSMLA_INLINE void store_bf16(uint16_t* lanes, H x) {
@@ -393,15 +436,23 @@ struct Ops {
     const __m512i r = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(magnitude, words16(64)), below_64, from_64);
     return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(x, words16(0x80)), 8));
   }
+  static JSMLA_INLINE H fp4_to_bf16(const uint8_t* codes) {
+    // Byte i of the 16 code bytes becomes word pair (low nibble, high nibble).
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    const __m512i nibbles = _mm512_or_si512(_mm512_and_si512(bytes, ints(0xf)),
+                                            _mm512_slli_epi32(_mm512_and_si512(bytes, ints(0xf0)), 12));
+    const __m512i table = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kFp4.magnitude)));
+    const __m512i r = _mm512_permutexvar_epi16(_mm512_and_si512(nibbles, words16(7)), table);
+    return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(nibbles, words16(8)), 12));
+  }
   static JSMLA_INLINE H load_bf16(const uint8_t* bytes) { return _mm512_loadu_si512(bytes); }
   static JSMLA_INLINE __m256i scaled_half(__m256i half, F scale) {
     const F value = mul(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)), scale);
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits(_mm512_castps_si512(value)), 16));
   }
-  static JSMLA_INLINE H scale_bf16(H x, float scale) {
-    const F s = set1(scale);
-    const __m256i low = scaled_half(_mm512_castsi512_si256(x), s);
-    const __m256i high = scaled_half(_mm512_extracti64x4_epi64(x, 1), s);
+  static JSMLA_INLINE H scale_bf16(H x, float low_scale, float high_scale) {
+    const __m256i low = scaled_half(_mm512_castsi512_si256(x), set1(low_scale));
+    const __m256i high = scaled_half(_mm512_extracti64x4_epi64(x, 1), set1(high_scale));
     return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
   }
   static JSMLA_INLINE void store_bf16(uint16_t* lanes, H x) { _mm512_storeu_si512(lanes, x); }

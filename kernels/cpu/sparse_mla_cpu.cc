@@ -42,6 +42,7 @@
 #define JSMLA_CPU_X86_BF16 0
 #endif
 
+#include "../common/dequantize_row.h"
 #include "../common/numeric.h"
 #include "tile_layout.h"
 
@@ -374,6 +375,8 @@ struct Call {
                   const TokenTile& tile) const {
     DequantizeJob job;
     job.format = &f;
+    job.formats[0] = &format_traits(p.main.format);
+    job.formats[1] = &format_traits(p.extra.format);
     job.caches[0] = &p.main.cache;
     job.caches[1] = &p.extra.cache;
     job.candidates = candidates;
@@ -561,18 +564,7 @@ std::string cpu_kernel_options_from_environment(CpuKernelOptions* options) {
 }
 
 void dequantize_row(const FormatTraits& f, const CacheView& cache, int64_t slot, float* out) {
-  const uint8_t* row = cache.data_row(slot);
-  if (f.fp8_dim > 0) {
-    const uint8_t* scales = cache.scales(f, slot);
-    for (int g = 0; g < f.num_groups; ++g) {
-      const float scale = group_scale(f, scales, g);
-      for (int i = g * f.group_size; i < (g + 1) * f.group_size; ++i) {
-        out[i] = fp8_e4m3_to_float(row[i]) * scale;
-      }
-    }
-  }
-  const uint8_t* bf16 = row + f.bf16_offset;
-  for (int i = 0; i < f.bf16_dim; ++i) out[f.fp8_dim + i] = bf16_to_float(load_u16_le(bf16 + 2 * i));
+  dequantize_key_row(f, cache, slot, out);
 }
 
 void sparse_mla_cpu(const FormatTraits& f, const AttentionParams& p, const CpuKernelOptions& options) {

@@ -17,8 +17,10 @@
 //   exp_nonpositive(x) (e^x for x <= 0), round_bf16(x) (round to nearest even BF16, as float),
 //   store_pairs(words, even, odd) (BF16-exact floats packed as pairs);
 //   load_a(words), broadcast_b(word), dot(acc, a, b) (acc + a.odd*b.odd, then + a.even*b.even);
-//   fp8_to_bf16(bytes), load_bf16(bytes), scale_bf16(h, s) (BF16 of h*s, rounded to nearest even),
-//   zero_h, store_bf16(lanes, h), store_interleaved(words, even, odd).
+//   fp8_to_bf16(bytes), fp4_to_bf16(bytes) (kChunk / 2 bytes, lane 2i in the low nibble of byte i),
+//   load_bf16(bytes), scale_bf16(h, low, high) (BF16 of each lane times `low` in the first half of the
+//   lanes and `high` in the second, rounded to nearest even), zero_h, store_bf16(lanes, h),
+//   store_interleaved(words, even, odd).
 
 using F = typename Ops::F;
 using A = typename Ops::A;
@@ -166,34 +168,38 @@ void start(const AttendJob& job) {
   std::fill(job.output, job.output + static_cast<int64_t>(job.format->d_v) * job.head_block, 0.0f);
 }
 
-// The K lanes [lane, lane + kChunk) of a candidate row and, for lanes below d_v, its V lanes.
+// The K lanes [lane, lane + kChunk) of a candidate row of format f and, for lanes below d_v, its V lanes.
 struct RowChunk {
   H k;
   H v;
 };
 
 inline RowChunk dequantize_chunk(const FormatTraits& f, const uint8_t* data, const uint8_t* scales, int lane) {
-  if (lane < f.fp8_dim) {
-    const H codes = Ops::fp8_to_bf16(data + lane);
-    const float scale = group_scale(f, scales, lane / f.group_size);
+  if (lane < f.quant_dim) {
+    const H codes = f.quant_bits == 4 ? Ops::fp4_to_bf16(data + lane / 2) : Ops::fp8_to_bf16(data + lane);
+    const float low_scale = group_scale(f, scales, lane / f.group_size);
+    const float high_scale = group_scale(f, scales, (lane + Ops::kChunk / 2) / f.group_size);
     // FP32 scales: K keeps the codes (its segment's scale multiplies the partial score in FP32), V the
-    // values rounded to BF16. Power-of-two scales: the values, exact.
-    if (f.scale_kind == ScaleKind::kFp32) return {codes, lane < f.d_v ? Ops::scale_bf16(codes, scale) : codes};
-    const H values = Ops::scale_bf16(codes, scale);
+    // values rounded to BF16. Other scales: the values, exact.
+    if (f.scale_kind == ScaleKind::kFp32) {
+      return {codes, lane < f.d_v ? Ops::scale_bf16(codes, low_scale, high_scale) : codes};
+    }
+    const H values = Ops::scale_bf16(codes, low_scale, high_scale);
     return {values, values};
   }
-  const H values = Ops::load_bf16(data + f.bf16_offset + 2 * (lane - f.fp8_dim));
+  const H values = Ops::load_bf16(data + f.bf16_offset + 2 * (lane - f.quant_dim));
   return {values, values};
 }
 
 void dequantize(const DequantizeJob& job) {
-  const FormatTraits& f = *job.format;
+  const FormatTraits& f = *job.format;  // widths and tile layout; each row is read with its list's format
   const TokenTile& tile = job.tile;
   const int64_t row_words = f.d_qk / 2;
   const int segments = cpu::num_segments(f);
   for (int64_t even = job.begin; even < job.end; even += 2) {
     const uint8_t* data[2] = {nullptr, nullptr};
     const uint8_t* scales[2] = {nullptr, nullptr};
+    const FormatTraits* formats[2] = {&f, &f};
     for (int i = 0; i < 2; ++i) {
       const int64_t c = even + i;
       uint16_t* k_row = reinterpret_cast<uint16_t*>(tile.k_pairs + c * row_words);
@@ -202,13 +208,15 @@ void dequantize(const DequantizeJob& job) {
         if (tile.scales != nullptr) std::fill(tile.scales + c * segments, tile.scales + (c + 1) * segments, 0.0f);
         continue;
       }
-      const CacheView& cache = *job.caches[job.candidates[c].list];
+      const int32_t list = job.candidates[c].list;
+      const CacheView& cache = *job.caches[list];
       const int64_t slot = job.candidates[c].slot;
+      formats[i] = job.formats[list];
       data[i] = cache.data_row(slot);
-      scales[i] = f.fp8_dim > 0 ? cache.scales(f, slot) : nullptr;
+      scales[i] = formats[i]->quant_dim > 0 ? cache.scales(*formats[i], slot) : nullptr;
       if (tile.scales != nullptr) {
         for (int s = 0; s < segments; ++s) {
-          tile.scales[c * segments + s] = s * cpu::kSegmentLanes < f.fp8_dim ? group_scale(f, scales[i], s) : 1.0f;
+          tile.scales[c * segments + s] = s * cpu::kSegmentLanes < f.quant_dim ? group_scale(f, scales[i], s) : 1.0f;
         }
       }
     }
@@ -219,7 +227,7 @@ void dequantize(const DequantizeJob& job) {
       RowChunk chunks[2] = {{Ops::zero_h(), Ops::zero_h()}, {Ops::zero_h(), Ops::zero_h()}};
       for (int i = 0; i < 2; ++i) {
         if (data[i] == nullptr) continue;
-        chunks[i] = dequantize_chunk(f, data[i], scales[i], lane);
+        chunks[i] = dequantize_chunk(*formats[i], data[i], scales[i], lane);
         Ops::store_bf16(k_rows[i] + lane, chunks[i].k);
       }
       if (lane < f.d_v) Ops::store_interleaved(v_words + lane, chunks[0].v, chunks[1].v);

@@ -24,24 +24,26 @@ inline constexpr int kRowGranule = 16;
 inline constexpr int kMaxHeadBlock = 64;
 
 // FP32 group scales multiply the partial dot product of their segment, so a group must be a segment;
-// every other scale kind is a power of two, folded into the tile exactly.
+// every other scale kind gives exact BF16 values with the quantized lanes (UE8M0 is a power of two;
+// an FP4 value times an E4M3 scale has at most 6 significant bits), folded into the tile.
 constexpr bool segment_scales_fit(const FormatTraits& f) {
-  return f.scale_kind != ScaleKind::kFp32 || f.group_size == kSegmentLanes;
+  return f.scale_kind != ScaleKind::kFp32 || (f.group_size == kSegmentLanes && f.quant_bits == 8);
 }
-static_assert(segment_scales_fit(kFormatTable[0]) && segment_scales_fit(kFormatTable[1]) &&
-                  segment_scales_fit(kFormatTable[2]) && segment_scales_fit(kFormatTable[3]) &&
-                  segment_scales_fit(kFormatTable[4]) && segment_scales_fit(kFormatTable[5]) &&
-                  segment_scales_fit(kFormatTable[6]) && segment_scales_fit(kFormatTable[7]),
-              "FP32 scale groups must coincide with score segments (their scale multiplies one segment)");
 
+// Dequantization converts 32 lanes at a time, each half (16 lanes) within one scale group, and one
+// of the quantized or BF16 lanes.
 constexpr bool lanes_fit_conversion_chunks(const FormatTraits& f) {
-  return f.d_qk % 32 == 0 && f.d_v % 32 == 0 && f.fp8_dim % 32 == 0 && (f.group_size == 0 || f.group_size % 32 == 0);
+  return f.d_qk % 32 == 0 && f.d_v % 32 == 0 && f.quant_dim % 32 == 0 && (f.group_size == 0 || f.group_size % 16 == 0);
 }
-static_assert(lanes_fit_conversion_chunks(kFormatTable[0]) && lanes_fit_conversion_chunks(kFormatTable[1]) &&
-                  lanes_fit_conversion_chunks(kFormatTable[2]) && lanes_fit_conversion_chunks(kFormatTable[3]) &&
-                  lanes_fit_conversion_chunks(kFormatTable[4]) && lanes_fit_conversion_chunks(kFormatTable[5]) &&
-                  lanes_fit_conversion_chunks(kFormatTable[6]) && lanes_fit_conversion_chunks(kFormatTable[7]),
-              "dequantization converts 32 lanes at a time within one scale group and one of K/V");
+
+constexpr bool every_format_fits() {
+  for (const FormatTraits& f : kFormatTable) {
+    if (!segment_scales_fit(f) || !lanes_fit_conversion_chunks(f)) return false;
+  }
+  return true;
+}
+static_assert(every_format_fits(), "FP32 scale groups must be score segments (their scale multiplies one segment) and "
+              "every format's lanes must split into the conversion chunks of dequantization");
 
 inline int num_segments(const FormatTraits& f) { return (f.d_qk + kSegmentLanes - 1) / kSegmentLanes; }
 
@@ -50,7 +52,8 @@ inline int num_segments(const FormatTraits& f) { return (f.d_qk + kSegmentLanes 
 // scores, probabilities, output accumulator and tile stay in a core's L2.
 inline int candidates_per_tile(const FormatTraits& f) { return f.d_qk > 576 ? 64 : 128; }
 
-// A candidate after compaction: a slot of the main (list 0) or extra (list 1) cache.
+// A candidate after compaction: a slot of the main (list 0) or extra (list 1) cache. The two lists may
+// have different formats of the same widths (dual-cache formats, none with FP32 scales).
 struct CandidateRef {
   int32_t slot;
   int32_t list;
@@ -68,8 +71,9 @@ struct TokenTile {
 // Dequantizes candidates [begin, end) of a token (begin even; end <= padded_rows, even) into `tile`;
 // positions at or past `count` become zero rows.
 struct DequantizeJob {
-  const FormatTraits* format = nullptr;
-  const CacheView* caches[2] = {nullptr, nullptr};  // main, extra
+  const FormatTraits* format = nullptr;              // the main cache's format (the tile's layout)
+  const FormatTraits* formats[2] = {nullptr, nullptr};  // main, extra: each list's format
+  const CacheView* caches[2] = {nullptr, nullptr};      // main, extra
   const CandidateRef* candidates = nullptr;          // [count]
   int64_t count = 0;
   int64_t begin = 0;

@@ -90,6 +90,16 @@ struct BlockCoordinates {
   }
 };
 
+// The candidate tiles of a block's split: positions [split * split_size, (split + 1) * split_size) of
+// the token's main-then-extra list, cut at the list's end.
+template <int kCandidateTile>
+JSMLA_DEVICE CandidateTiles<kCandidateTile> split_tiles(const SplitKvParams& p, const BlockCoordinates& block) {
+  const int64_t total_positions = static_cast<int64_t>(p.attn.main.topk) + p.attn.extra.topk;
+  const int64_t split_begin = static_cast<int64_t>(block.split) * p.split_size;
+  const int64_t split_end = min(split_begin + p.split_size, total_positions);
+  return CandidateTiles<kCandidateTile>(p.attn, block.token, min(split_begin, split_end), split_end);
+}
+
 // A padding row (token >= valid_tokens): decode leaves it to the combine kernel; prefill writes the
 // empty state (zero output, lse = -inf) for the block's heads. All threads of the block call it.
 template <int kDv>

@@ -77,6 +77,21 @@ JSMLA_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+// Programmatic dependent launch (sm_90 and newer; no-ops on older targets). A grid calls
+// allow_dependent_launch() to let the grid queued after it with the programmatic-serialization launch
+// attribute start before it finishes; that grid calls wait_for_prerequisite_grid() before it reads
+// anything the first one writes (it returns once the first grid has completed and its writes are visible).
+JSMLA_DEVICE void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+JSMLA_DEVICE void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 JSMLA_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);

@@ -11,8 +11,7 @@
 // (m in [1, 2)) is split, the tile holds FP8 × 2^e (exact in BF16), and the kernel applies the
 // mantissas m in FP32 — to the partial scores per group of K lanes and to P per group of V lanes —
 // from the per-row factors write_factors() leaves in shared memory.
-// Thread `tid` owns row tid / kThreadsPerRow and units sub, sub + kThreadsPerRow, ... of it, where a
-// unit is 16 staged bytes (16 FP8 values or 8 BF16 values).
+// Which thread loads which bytes, and every size: loader_geometry.h.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -21,50 +20,23 @@
 #include "kernels/common/cache_view.h"
 #include "kernels/common/numeric.h"
 #include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/loader_geometry.h"
 
 namespace jsmla::cuda {
 
-// Bytes of the scale record one row needs: all FP32 scales of an inline row, or the footer scale row.
-constexpr int scale_record_bytes(const FormatTraits& f) {
-  if (f.scale_kind == ScaleKind::kNone) return 0;
-  return f.layout == Layout::kFooter ? f.scale_row_bytes : f.num_groups * f.scale_bytes();
-}
-
-// Bytes one thread's private scale slot holds (the largest record of any format).
-inline constexpr int kScaleSlotBytes = 16;
-
 template <FormatId kFormat, int kCandidateTile, int kThreads>
-struct TileLoader {
-  static constexpr FormatTraits kF = format_traits(kFormat);
-  static constexpr int kThreadsPerRow = kThreads / kCandidateTile;
-  static constexpr int kFp8Units = kF.fp8_dim / 16;
-  static constexpr int kBf16Units = kF.bf16_dim * 2 / 16;
-  static constexpr int kUnits = kFp8Units + kBf16Units;
-  static constexpr int kUnitsPerThread = (kUnits + kThreadsPerRow - 1) / kThreadsPerRow;
-  static constexpr int kStagedRowBytes = kUnits * 16;
-  static constexpr int kScaleRecordBytes = scale_record_bytes(kF);
-  // Scales that are not powers of two: their mantissas are applied in FP32 by the kernel.
-  static constexpr bool kExactScales = kF.scale_kind == ScaleKind::kFp32 && !kF.pow2_scales;
-  static constexpr int kNumGroups = kF.num_groups;
-  // Per-row factors of kExactScales (floats): mantissa[g][row], then ratio[g][row] = m_g / m_{g+1}
-  // (m_G = 1: the unscaled BF16 lanes after the last group).
-  static constexpr int kFactorFloats = kExactScales ? 2 * kNumGroups * kCandidateTile : 0;
-  // BF16 elements between consecutive tile rows: d_qk plus 16 bytes, so that the 8 rows one
-  // ldmatrix phase reads fall into 8 different 16-byte bank groups.
-  static constexpr int kTilePitch = kF.d_qk + 8;
-
-  static_assert(kThreads % kCandidateTile == 0, "every tile row needs the same number of loader threads");
-  static_assert(kF.fp8_dim % 16 == 0 && (2 * kF.bf16_dim) % 16 == 0, "payload must split into 16-byte units");
-  static_assert(kF.bf16_offset % 16 == 0, "the BF16 lanes of a row must be 16-byte aligned for cp.async");
-  static_assert(kF.layout != Layout::kInline || kF.scale_offset % 16 == 0, "inline scales must be 16-byte aligned");
-  static_assert(kF.group_size == 0 || kF.group_size % 16 == 0, "a 16-value unit must lie inside one scale group");
-  static_assert(kScaleRecordBytes == 0 || kScaleRecordBytes == 8 || kScaleRecordBytes == 16,
-                "scale records are copied with one 8- or 16-byte cp.async");
-  static_assert(kScaleRecordBytes <= kScaleSlotBytes, "scale record must fit the thread's scale slot");
-  static_assert(!kExactScales || (kF.layout == Layout::kInline && kScaleRecordBytes == 4 * kNumGroups),
-                "exact FP32 scales: every group's scale is in the thread's scale slot");
-  static_assert((kTilePitch * 2) % 16 == 0 && ((kTilePitch * 2) / 16) % 8 == 1,
-                "tile rows must start 16-byte aligned and rotate through the 8 bank groups");
+struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
+  using Geometry = LoaderGeometry<kFormat, kCandidateTile, kThreads>;
+  using Geometry::kBf16Units;
+  using Geometry::kExactScales;
+  using Geometry::kF;
+  using Geometry::kFactorFloats;
+  using Geometry::kFp8Units;
+  using Geometry::kNumGroups;
+  using Geometry::kScaleRecordBytes;
+  using Geometry::kThreadsPerRow;
+  using Geometry::kUnits;
+  using Geometry::kUnitsPerThread;
 
   // Starts the copies of this thread's units of one candidate row (slot must be valid).
   static JSMLA_DEVICE void issue(const CacheView& cache, int64_t slot, uint8_t* staged_row, uint8_t* scale_slot,
@@ -114,7 +86,7 @@ struct TileLoader {
           continue;
         }
       }
-      store(kF.fp8_dim + 8 * (unit - kFp8Units),
+      store(kF.quant_dim + 8 * (unit - kFp8Units),
             valid ? *reinterpret_cast<const uint4*>(staged_row + 16 * unit) : make_uint4(0, 0, 0, 0));
     }
   }
@@ -137,7 +109,7 @@ struct TileLoader {
           store(16 * unit, make_uint4(0, 0, 0, 0));
           store(16 * unit + 8, make_uint4(0, 0, 0, 0));
         } else {
-          store(kF.fp8_dim + 8 * (unit - kFp8Units), make_uint4(0, 0, 0, 0));
+          store(kF.quant_dim + 8 * (unit - kFp8Units), make_uint4(0, 0, 0, 0));
         }
       }
       return;
@@ -201,7 +173,7 @@ struct TileLoader {
         if (i < kFp8PerThread) {
           dequantize_fp8_unit<kBitPath>(staged[j], unit_scale(scale_slot, unit), unit, store);
         } else {
-          store(kF.fp8_dim + 8 * (unit - kFp8Units), staged[j]);
+          store(kF.quant_dim + 8 * (unit - kFp8Units), staged[j]);
         }
       }
     }
@@ -240,8 +212,8 @@ struct TileLoader {
   // kBitPath (bit_path_scale(scale) must hold): each e4m3 byte is moved into the BF16 bit fields with
   // integer operations (prmt, shift, and), which reads it as value · 2^-120 (subnormals included), and
   // one BF16 multiply by scale · 2^120 restores it: 4 full-rate instructions per pair of values, no
-  // conversion instructions. The e4m3 NaN codes become ±480 · scale on this path (SPEC leaves
-  // non-finite referenced payloads open); the FP32 path keeps them NaN.
+  // conversion instructions. The e4m3 NaN codes become ±480 · scale on this path (nothing is promised
+  // for non-finite referenced payloads: docs/formats.md, non-finite values); the FP32 path keeps them NaN.
   template <bool kBitPath, class Store>
   static JSMLA_DEVICE void dequantize_fp8_unit(uint4 fp8, float scale, int unit, Store& store) {
     if constexpr (kBitPath) {
@@ -298,5 +270,9 @@ struct TileLoader {
     return pack_bf16x2(values.x * scale, values.y * scale);
   }
 };
+
+// The loader of a kernel config's tile geometry (config.h sizes shared memory from the geometry alone).
+template <class Geometry>
+using TileLoaderOf = TileLoader<Geometry::kFormat, Geometry::kCandidateTile, Geometry::kThreads>;
 
 }  // namespace jsmla::cuda

@@ -1,7 +1,8 @@
 // Merging attention states (out normalised by its own sum, natural-log lse) and folding in the sink.
-// Shared by the combine kernel and every single-pass epilogue, so the ±inf and empty-row rules of
-// SPEC §4 live in one place: no valid candidate and no sink → out 0, lse -inf; a sink alone → out 0,
-// lse = sink; sink = +inf → out 0, lse +inf; sink = -inf → no effect. No NaN for finite inputs.
+// Shared by the combine kernel and every single-pass epilogue, so the ±inf and empty-row rules
+// (docs/semantics.md, empty rows) live in one place: no valid candidate and no sink → out 0,
+// lse -inf; a sink alone → out 0, lse = sink; sink = +inf → out 0, lse +inf; sink = -inf → no
+// effect. No NaN for finite inputs.
 #pragma once
 
 #include <cmath>

@@ -5,7 +5,8 @@
 //                                       (zeros for a split with no valid candidate);
 //   partial_lse[num_splits][T][H]       natural log of that split's sum of exp(s_j), without the sink
 //                                       (-inf for a split with no valid candidate).
-// Total bytes: num_splits * T * H * (d_v + 1) * 4 (jax_sparse_mla/cuda_config.py mirrors this).
+// Total bytes: num_splits * T * H * (d_v + 1) * 4; the planner sizes the workspace output with bytes()
+// (through the CPU extension).
 // Rows t >= valid_tokens are neither written nor read.
 #pragma once
 

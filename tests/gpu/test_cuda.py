@@ -26,7 +26,7 @@ import cases  # noqa: E402
 import oracle  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
-from jax_sparse_mla import _ffi, cuda_config, planner, validate  # noqa: E402
+from jax_sparse_mla import _ffi, kernel_tables, planner, validate  # noqa: E402
 
 FORMATS = list(jsm.FORMATS)
 VARIANTS = ("decode", "prefill")
@@ -174,21 +174,16 @@ def test_batch_invariant_token_output_does_not_depend_on_batch(rng, num_heads):
 
 
 @gpu
-def test_kernel_configs_match_cuda_config():
-    compiled = _ffi.cuda_kernel_configs()
-    assert compiled["split_granule"] == cuda_config.SPLIT_GRANULE
-    assert compiled["variants"] == cuda_config.VARIANTS
-    assert compiled["min_compute_capability"] == cuda_config.MIN_COMPUTE_CAPABILITY
-    keys = {f.id: f.key for f in jsm.FORMATS.values()}
-
-    def table(kernels):
-        return {(keys[k["kv_format"]], k["heads_per_block"]): (k["threads"], k["candidate_tile"], k["shared_bytes"])
-                for k in kernels}
-
-    assert table(compiled["kernels"]) == {k: tuple(v) for k, v in cuda_config.KERNELS.items()}
-    hopper = compiled["hopper"]
-    assert hopper["compute_capability"] == cuda_config.HOPPER_COMPUTE_CAPABILITY
-    assert table(hopper["kernels"]) == {k: tuple(v) for k, v in cuda_config.HOPPER_KERNELS.items()}
+def test_cuda_build_carries_the_hopper_family_the_planner_assumes():
+    # Plans name the family from the CPU extension's tables; the CUDA build must carry the sm_90a code
+    # those plans assume on an sm_90 GPU.
+    device = planner.device_info("cuda")
+    plan = planner.plan((128, 128, 576), "dsv3_2", 2048, platform="cuda", device=device)
+    if device.arch == kernel_tables.HOPPER_COMPUTE_CAPABILITY:
+        assert _ffi.hopper_compiled()
+        assert plan.family == "hopper"
+    else:
+        assert plan.family == "portable"
 
 
 def _problem_and_plan(rng, **plan_changes):
@@ -204,7 +199,6 @@ def _problem_and_plan(rng, **plan_changes):
     (dict(heads_per_block=48), "heads_per_block"),
     (dict(split_size=24), "split_size"),
     (dict(workspace_bytes=16), "workspace"),
-    (dict(min_sm_count=100000), "min_sm_count"),
 ])
 def test_handler_rechecks_plan_attributes(rng, changes, match):
     problem, plan, (q, cache, indices) = _problem_and_plan(rng, **changes)
@@ -233,7 +227,7 @@ _REPLAY_SCRIPT = textwrap.dedent("""
     import jax_sparse_mla as jsm
     from jax_sparse_mla import _ffi
     rng = np.random.default_rng(7)
-    key, T, H, K = "dsv3_2", 4, 16, 96
+    key, T, H, K = "dsv3_2", {tokens}, {heads}, {topk}
     kv = rng.standard_normal((1024, 576)).astype(np.float32)
     pages = oracle.quantize(kv, key, 64)
     keys = oracle.decode(pages, key)
@@ -264,10 +258,15 @@ _REPLAY_SCRIPT = textwrap.dedent("""
 
 
 @gpu
-def test_command_buffer_replay_follows_fresh_inputs(tmp_path):
+@pytest.mark.parametrize("tokens,heads,topk", [
+    (4, 16, 96),     # portable kernel, the split merge split over several blocks per row
+    (1, 128, 2048),  # Hopper kernel with many splits: the small-batch merge shape
+    (64, 128, 256),  # many rows: one merge block per row
+])
+def test_command_buffer_replay_follows_fresh_inputs(tmp_path, tokens, heads, topk):
     script = tmp_path / "replay.py"
     paths = [os.path.dirname(os.path.dirname(__file__))] + [p for p in sys.path if p]
-    script.write_text(_REPLAY_SCRIPT.format(paths=paths))
+    script.write_text(_REPLAY_SCRIPT.format(paths=paths, tokens=tokens, heads=heads, topk=topk))
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
                XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
                                       "--xla_gpu_graph_min_graph_size=1")

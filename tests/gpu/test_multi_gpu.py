@@ -72,3 +72,61 @@ def test_sharded_equals_unsharded_on_gpus(layout):
         assert np.all(np.asarray(out[rows:]) == 0) and np.all(np.asarray(lse[rows:]) == -np.inf)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref_out))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+
+
+# The sharded decode step in a subprocess with command buffers on (XLA flags must precede backend start):
+# after the first capture, replays with fresh index values in the same donated buffers never re-enter
+# the handler, and every result equals the unsharded calls of the shards.
+_CAPTURE_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+import jax_sparse_mla as jsm
+from jax_sparse_mla import _ffi
+devices = jax.devices("gpu")[:2]
+mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 1), ("ep", "tp"))
+rng = np.random.default_rng(5)
+pages = 8
+kv = rng.standard_normal((2 * pages * 64, 576)).astype(np.float32)
+caches = jnp.concatenate([jsm.quantize_kv(jnp.asarray(kv[r * pages * 64:(r + 1) * pages * 64]), "dsv3_2")
+                          for r in range(2)])
+attend = jsm.sharded_sparse_mla(mesh, token_axis="ep", kv_format="dsv3_2", sm_scale=0.05)
+counts = jnp.asarray([4, 0], jnp.int32)
+
+def step(q, indices, seed):
+    out, lse = attend(q, caches, indices, valid_tokens=counts)
+    key = jax.random.fold_in(jax.random.PRNGKey(0), seed)
+    next_indices = jax.random.randint(key, indices.shape, -4, pages * 64 + 4, jnp.int32)
+    return out, lse, next_indices, seed + 1
+
+run = jax.jit(step, donate_argnums=(1, 2))
+q = jnp.asarray(rng.standard_normal((8, 16, 576)), jnp.bfloat16)
+indices = jnp.asarray(rng.integers(0, pages * 64, (8, 64)), jnp.int32)
+seed, results, invocations = jnp.int32(0), [], []
+for _ in range(20):
+    host_indices = np.asarray(indices)
+    out, lse, indices, seed = run(q, indices, seed)
+    results.append((host_indices, np.asarray(out, np.float32), np.asarray(lse)))
+    invocations.append(_ffi.cuda_handler_invocations())
+worst = 0.0  # the unsharded calls run after the loop, so they do not count as handler invocations above
+for host_indices, out, lse in results:
+    ref, _ = jsm.sparse_mla(q[:4], caches[:pages], host_indices[:4], kv_format="dsv3_2", sm_scale=0.05)
+    worst = max(worst, float(np.max(np.abs(out[:4] - np.asarray(ref, np.float32)))))
+    assert np.all(out[4:] == 0) and np.all(lse[4:] == -np.inf)
+print(json.dumps({"worst": worst, "invocations": invocations}))
+"""
+
+
+def test_sharded_step_is_captured_in_command_buffers(tmp_path):
+    import json
+    import subprocess
+
+    script = tmp_path / "capture.py"
+    script.write_text(_CAPTURE_SCRIPT)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1")
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["worst"] == 0.0
+    calls = report["invocations"]
+    assert calls[-1] - calls[1] <= 2 * 2, calls  # captured once per device (plus at most a re-capture each)

@@ -1,4 +1,4 @@
-// The Hopper sparse-MLA kernel (see config.cuh for the warpgroup roles). One template serves both
+// The Hopper sparse-MLA kernel (see config.h for the warpgroup roles). One template serves both
 // plan variants, exactly like the portable family: decode splits write their partial state to the
 // split workspace (merged by combine.cuh), prefill writes out/lse directly with the sink folded in.
 //
@@ -16,11 +16,13 @@
 #include <type_traits>
 
 #include "kernels/cuda/candidate_tiles.cuh"
-#include "kernels/cuda/hopper/config.cuh"
-#include "kernels/cuda/hopper/launch.h"
+#include "kernels/cuda/epilogue.cuh"
+#include "kernels/cuda/hopper/config.h"
 #include "kernels/cuda/hopper/wgmma.cuh"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/launch_utils.h"
+#include "kernels/cuda/load_tile.cuh"
 #include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/softmax_merge.cuh"
 
@@ -35,7 +37,7 @@ JSMLA_DEVICE int swizzled_offset(int row, int dim, int rows) {
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(const __grid_constant__ SplitKvParams p) {
 #if JSMLA_HOPPER_DEVICE
-  using Loader = typename Cfg::Loader;
+  using Loader = TileLoaderOf<typename Cfg::Geometry>;
   constexpr int kN = Cfg::kCandidateTile;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // Offset (not integer-cast) arithmetic keeps the pointer in the shared window, so the compiler emits
@@ -45,6 +47,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);  // [2][kN]
   auto tile_buffer = [&](int b) { return smem + Cfg::kTileOffset + b * Cfg::kTileBytes; };
 
+  // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
+  // results before reading them).
+  allow_dependent_launch();
   const AttentionParams& a = p.attn;
   const BlockCoordinates coordinates(p);
   const int64_t token = coordinates.token;
@@ -56,10 +61,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     return;
   }
 
-  const int64_t total_positions = static_cast<int64_t>(a.main.topk) + a.extra.topk;
-  const int64_t split_begin = static_cast<int64_t>(coordinates.split) * p.split_size;
-  const int64_t split_end = min(split_begin + p.split_size, total_positions);
-  const CandidateTiles<kN> tiles(a, token, min(split_begin, split_end), split_end);
+  const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
 
   if (threadIdx.x < Cfg::kProducerThreads) {
     // ------------------------------------------------------------------ producer warpgroup
@@ -104,24 +106,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int consumer_thread = threadIdx.x - Cfg::kProducerThreads;  // 0 .. 255
   const int warp = (consumer_thread % 128) / 32;                    // 16 head rows each
   const int lane = threadIdx.x % 32;
-  const bool write_final = p.workspace.partial_out == nullptr;
 
-  // Q of the 64-head tile → shared memory (rows past H are zero), 8 BF16 values per store.
+  // Q of the 64-head tile → shared memory (rows past H are zero). Every 16-byte chunk's cp.async is
+  // in flight at once, so the load costs one round trip (the handler checks that q is 16-byte aligned).
   {
     constexpr int kChunksPerRow = Cfg::kDqk / 8;
-    for (int c = consumer_thread; c < Cfg::kHeadTile * kChunksPerRow; c += 128 * Cfg::kConsumerGroups) {
+    constexpr int kConsumerThreads = 128 * Cfg::kConsumerGroups;
+    constexpr int kChunksPerThread = Cfg::kHeadTile * kChunksPerRow / kConsumerThreads;
+    static_assert(Cfg::kHeadTile * kChunksPerRow % kConsumerThreads == 0, "every consumer copies as many Q chunks");
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      const int c = consumer_thread + i * kConsumerThreads;
       const int row = c / kChunksPerRow;
       const int dim = (c % kChunksPerRow) * 8;
       const int head = head_begin + row;
-      uint4 values = make_uint4(0, 0, 0, 0);
+      uint8_t* const chunk = q_smem + swizzled_offset(row, dim, Cfg::kHeadTile);
       if (head < num_heads) {
-        const uint16_t* q = a.q + (token * num_heads + head) * Cfg::kDqk + dim;
-        values = make_uint4(load_global_u32(q), load_global_u32(q + 2), load_global_u32(q + 4), load_global_u32(q + 6));
+        cp_async_16(chunk, a.q + (token * num_heads + head) * Cfg::kDqk + dim);
+      } else {
+        *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
       }
-      *reinterpret_cast<uint4*>(q_smem + swizzled_offset(row, dim, Cfg::kHeadTile)) = values;
     }
+    cp_async_commit();
+    cp_async_wait_all();
     fence_proxy_async_shared();
-    named_barrier_sync(Cfg::kQBarrier, 128 * Cfg::kConsumerGroups);
+    named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
   }
 
   // The rest runs with the consumer's half of d_v as a compile-time constant: every shared-memory
@@ -173,15 +182,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
       float rescale[2];
       softmax.update(score, score_bias + b * kN, score_scale, lane, rescale);
-      if (RunningSoftmax::needs_rescale(rescale)) {
-#pragma unroll
-        for (int c = 0; c < Cfg::kOutRegisters; c += 4) {
-          out_acc[c + 0] *= rescale[0];
-          out_acc[c + 1] *= rescale[0];
-          out_acc[c + 2] *= rescale[1];
-          out_acc[c + 3] *= rescale[1];
-        }
-      }
+      if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
 
       // O[:, group half] += P·V: P (BF16) from the score registers, V = tile columns of this half, N-major.
       const SmemDescriptor v_descriptor = smem_descriptor(
@@ -205,31 +206,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 
     // ---- epilogue: rows of this thread, columns of this consumer's half ----
     softmax.finish();
-    const int column_first = group * Cfg::kDvPerGroup + 2 * (lane % 4);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int head = head_begin + 16 * warp + lane / 4 + 8 * r;
-      if (head >= num_heads) continue;
-      const RowFinish finish = finish_row(softmax.row_max[r], softmax.row_sum[r], write_final, a.attn_sink, head);
-      if (write_final) {
-        uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
-#pragma unroll
-        for (int j = 0; j < Cfg::kDvPerGroup / 8; ++j) {
-          *reinterpret_cast<uint32_t*>(out + 8 * j) =
-              pack_bf16x2(out_acc[4 * j + 2 * r] * finish.factor, out_acc[4 * j + 2 * r + 1] * finish.factor);
-        }
-        if (group == 0 && lane % 4 == 0) a.lse[token * num_heads + head] = finish.lse;
-      } else {
-        const int64_t row = SplitWorkspace::row(coordinates.split, token, head, a.num_tokens, num_heads);
-        float* out = p.workspace.partial_out + row * Cfg::kDv + column_first;
-#pragma unroll
-        for (int j = 0; j < Cfg::kDvPerGroup / 8; ++j) {
-          *reinterpret_cast<float2*>(out + 8 * j) =
-              make_float2(out_acc[4 * j + 2 * r] * finish.factor, out_acc[4 * j + 2 * r + 1] * finish.factor);
-        }
-        if (group == 0 && lane % 4 == 0) p.workspace.partial_lse[row] = finish.lse;
-      }
-    }
+    const int head = head_begin + 16 * warp + lane / 4;
+    store_rows<Cfg::kDv>(p, token, coordinates.split, {head, head + 8}, group * Cfg::kDvPerGroup + 2 * (lane % 4),
+                         group == 0 && lane % 4 == 0, softmax, out_acc);
   };
   if (consumer_thread < 128) {
     consume(std::integral_constant<int, 0>{});

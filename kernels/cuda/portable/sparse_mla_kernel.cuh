@@ -1,4 +1,4 @@
-// The portable sparse-MLA kernel (see config.cuh for the warp grid). One template serves both plan
+// The portable sparse-MLA kernel (see config.h for the warp grid). One template serves both plan
 // variants: decode (split s of a token writes its partial state to the split workspace, merged by
 // combine.cuh) and prefill (one split per token writes out/lse directly, sink folded in).
 //
@@ -16,18 +16,20 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/candidate_tiles.cuh"
+#include "kernels/cuda/epilogue.cuh"
+#include "kernels/cuda/launch.h"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/launch_utils.h"
+#include "kernels/cuda/load_tile.cuh"
 #include "kernels/cuda/online_softmax.cuh"
-#include "kernels/cuda/portable/launch.h"
-#include "kernels/cuda/portable/config.cuh"
+#include "kernels/cuda/portable/config.h"
 #include "kernels/cuda/softmax_merge.cuh"
 
 namespace jsmla::cuda::portable {
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(const __grid_constant__ SplitKvParams p) {
-  using Loader = typename Cfg::Loader;
+  using Loader = TileLoaderOf<typename Cfg::Geometry>;
   constexpr int kN = Cfg::kCandidateTile;
   constexpr int kPitch = Cfg::kTilePitch;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -38,23 +40,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);
   float* const factors = reinterpret_cast<float*>(smem + Cfg::kFactorOffset);  // exact scales only
 
+  // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
+  // results before reading them).
+  allow_dependent_launch();
   const AttentionParams& a = p.attn;
   const BlockCoordinates coordinates(p);
   const int split = coordinates.split;
   const int64_t token = coordinates.token;
   const int head_begin = coordinates.head_tile * Cfg::kHeadTile;
   const int num_heads = a.num_heads;
-  const bool write_final = p.workspace.partial_out == nullptr;
 
   if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
     write_padding_rows<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
     return;
   }
 
-  const int64_t total_positions = static_cast<int64_t>(a.main.topk) + a.extra.topk;
-  const int64_t split_begin = static_cast<int64_t>(split) * p.split_size;
-  const int64_t split_end = min(split_begin + p.split_size, total_positions);
-  const CandidateTiles<kN> tiles(a, token, min(split_begin, split_end), split_end);
+  const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
 
   // ---- loader role: row `load_row` of every tile, units `load_sub` + k*kThreadsPerRow ----
   const int load_row = threadIdx.x / Loader::kThreadsPerRow;
@@ -126,8 +127,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   const float score_scale = a.sm_scale * kLog2e;  // scores in the log2 domain
   RunningSoftmax softmax;                         // rows lane/4 and lane/4 + 8 of the warp's 16
   float out_acc[Cfg::kOutTiles][4];
+  float (&out_registers)[Cfg::kOutTiles * 4] = reinterpret_cast<float (&)[Cfg::kOutTiles * 4]>(out_acc);
 #pragma unroll
-  for (int i = 0; i < Cfg::kOutTiles; ++i) out_acc[i][0] = out_acc[i][1] = out_acc[i][2] = out_acc[i][3] = 0.0f;
+  for (int i = 0; i < Cfg::kOutTiles * 4; ++i) out_registers[i] = 0.0f;
 
   // ldmatrix row addresses. K (B of S, not transposed): matrices (n0-7,k0-7) (n0-7,k8-15) (n8-15,k0-7)
   // (n8-15,k8-15). V (B of P·V, transposed): (k0-7,n0-7) (k8-15,n0-7) (k0-7,n8-15) (k8-15,n8-15).
@@ -191,15 +193,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
     // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
     float rescale[2];
     softmax.update(score, score_bias, score_scale, lane, rescale);
-    if (RunningSoftmax::needs_rescale(rescale)) {
-#pragma unroll
-      for (int i = 0; i < Cfg::kOutTiles; ++i) {
-        out_acc[i][0] *= rescale[0];
-        out_acc[i][1] *= rescale[0];
-        out_acc[i][2] *= rescale[1];
-        out_acc[i][3] *= rescale[1];
-      }
-    }
+    if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_registers, rescale);
 
     // P·V. Exact scales: the V lanes of group g are FP8·2^e in the tile, so P is multiplied by the
     // candidates' mantissas m_g (in FP32, before the one rounding to BF16), per group of the warp's columns.
@@ -242,31 +236,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
 
   // ---- epilogue ----
   softmax.finish();
-  const int column_first = d_split * Cfg::kDvPerWarp + 2 * (lane % 4);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int head = r == 0 ? head_a : head_b;
-    if (head >= num_heads) continue;
-    const RowFinish finish = finish_row(softmax.row_max[r], softmax.row_sum[r], write_final, a.attn_sink, head);
-    if (write_final) {
-      uint16_t* out = a.out + (token * num_heads + head) * Cfg::kDv + column_first;
-#pragma unroll
-      for (int i = 0; i < Cfg::kOutTiles; ++i) {
-        *reinterpret_cast<uint32_t*>(out + 8 * i) =
-            pack_bf16x2(out_acc[i][2 * r] * finish.factor, out_acc[i][2 * r + 1] * finish.factor);
-      }
-      if (d_split == 0 && lane % 4 == 0) a.lse[token * num_heads + head] = finish.lse;
-    } else {
-      const int64_t row = SplitWorkspace::row(split, token, head, a.num_tokens, num_heads);
-      float* out = p.workspace.partial_out + row * Cfg::kDv + column_first;
-#pragma unroll
-      for (int i = 0; i < Cfg::kOutTiles; ++i) {
-        *reinterpret_cast<float2*>(out + 8 * i) =
-            make_float2(out_acc[i][2 * r] * finish.factor, out_acc[i][2 * r + 1] * finish.factor);
-      }
-      if (d_split == 0 && lane % 4 == 0) p.workspace.partial_lse[row] = finish.lse;
-    }
-  }
+  store_rows<Cfg::kDv>(p, token, split, {head_a, head_b}, d_split * Cfg::kDvPerWarp + 2 * (lane % 4),
+                       d_split == 0 && lane % 4 == 0, softmax, out_registers);
 }
 
 // Launches one instantiation on `stream` (the caller has checked the plan and the buffers).

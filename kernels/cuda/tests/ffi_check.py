@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-TARGET = "jax_sparse_mla_fwd_v1"
-
+TARGET = None  # the versioned target name, from the CPU extension's registrations()
 
 def load(build_dir, name):
     path = glob.glob(os.path.join(build_dir, name + "*.so"))[0]
@@ -28,7 +27,7 @@ def load(build_dir, name):
 
 
 def quantize_dsv32(kv):
-    """[n, 576] float32 -> [n, 656] uint8 (SPEC §3, power-of-two FP32 scales)."""
+    """[n, 576] float32 -> [n, 656] uint8 (docs/formats.md, power-of-two FP32 scales)."""
     n = kv.shape[0]
     out = np.zeros((n, 656), np.uint8)
     nope = kv[:, :512].reshape(n, 4, 128)
@@ -63,13 +62,13 @@ def call(device, variant, hpb, splits, split_size, workspace, q, cache, idx, tl,
     t, h = q.shape[0], q.shape[1]
     results = (jax.ShapeDtypeStruct((t, h, d_v), jnp.bfloat16), jax.ShapeDtypeStruct((t, h), jnp.float32),
                jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    attrs = dict(kv_format=np.int32(fmt_id), sm_scale=np.float32(sm_scale),
+    attrs = dict(kv_format=np.int32(fmt_id), extra_kv_format=np.int32(fmt_id), sm_scale=np.float32(sm_scale),
                  page_size=np.int64(geometry[0]), num_pages=np.int64(geometry[1]),
                  page_stride=np.int64(geometry[2]), row_stride=np.int64(geometry[3]),
                  extra_page_size=np.int64(xgeometry[0]), extra_num_pages=np.int64(xgeometry[1]),
                  extra_page_stride=np.int64(xgeometry[2]), extra_row_stride=np.int64(xgeometry[3]),
                  variant=np.int32(variant), num_splits=np.int32(splits), split_size=np.int32(split_size),
-                 heads_per_block=np.int32(hpb), min_sm_count=np.int32(0))
+                 heads_per_block=np.int32(hpb))
     fn = jax.jit(lambda *ops: jax.ffi.ffi_call(TARGET, results)(*ops, **attrs)[:2])
     ops = [jax.device_put(x, device) for x in (q, cache, idx, tl, sink, xcache, xidx, xtl, valid)]
     out, lse = fn(*ops)
@@ -92,10 +91,12 @@ def compare(name, got, ref):
 
 def main():
     build_dir = sys.argv[1]
+    global TARGET
     cpu_ext, cuda_ext = load(build_dir, "_cpu_ext"), load(build_dir, "_cuda_ext")
+    (TARGET,) = cpu_ext.registrations()
     jax.ffi.register_ffi_target(TARGET, cpu_ext.registrations()[TARGET], platform="cpu")
     jax.ffi.register_ffi_target(TARGET, cuda_ext.registrations()[TARGET], platform="CUDA")
-    print("kernel_configs:", cuda_ext.kernel_configs())
+    print("hopper family compiled:", cuda_ext.hopper_compiled())
     cpu, gpu = jax.devices("cpu")[0], jax.devices("gpu")[0]
     rng = np.random.default_rng(0)
     all_ok = True

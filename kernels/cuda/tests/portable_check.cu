@@ -1,6 +1,6 @@
 // Standalone correctness + timing check of the portable CUDA kernels, without JAX.
 //
-// Builds caches on the host (quantized exactly as SPEC §3 describes), runs decode (split-K + combine)
+// Builds caches on the host (quantized exactly as docs/formats.md describes), runs decode (split-K + combine)
 // and prefill through the same registry the FFI handler uses, and compares with a float64 reference
 // on the dequantized cache (kernels/cpu's dequantize_row, so addressing is shared with the CPU path).
 // Outputs are poisoned with NaN before every run. Timing uses CUDA events over batches of calls that
@@ -9,7 +9,7 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --profile]   (exit code 0 only when every
+// Run: ./portable_check [--quick | --sanitize | --headline | --profile | --profile-small]   (exit code 0 only when every
 // check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --profile: see below.
@@ -28,14 +28,12 @@
 #include "kernels/common/numeric.h"
 #include "kernels/cpu/sparse_mla_cpu.h"
 #include "kernels/cuda/combine.h"
-#include "kernels/cuda/hopper/registry.h"
 #include "kernels/cuda/load_tile.cuh"
-#include "kernels/cuda/portable/registry.h"
+#include "kernels/cuda/registry.h"
 
 namespace {
 
 using namespace jsmla;
-namespace portable = jsmla::cuda::portable;
 
 #define CHECK_CUDA(call)                                                                          \
   do {                                                                                            \
@@ -49,7 +47,7 @@ namespace portable = jsmla::cuda::portable;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// ---------------------------------------------------------------- host quantization (SPEC §3)
+// ---------------------------------------------------------------- host quantization (docs/formats.md)
 struct Fp8Table {
   std::vector<float> values;  // codes 0..126 (non-negative finite e4m3)
   Fp8Table() {
@@ -107,7 +105,7 @@ HostCache build_cache(const FormatTraits& f, int64_t num_pages, int64_t page_siz
       for (int64_t slot = w; slot < slots; slot += threads) {
         for (auto& v : x) v = normal(rng);
         uint8_t* row = const_cast<uint8_t*>(c.view.data_row(slot));
-        if (f.fp8_dim > 0) {
+        if (f.quant_dim > 0) {
           uint8_t* scales = const_cast<uint8_t*>(c.view.scales(f, slot));
           if (f.layout == Layout::kFooter) std::memset(scales, 0, f.scale_row_bytes);
           for (int g = 0; g < f.num_groups; ++g) {
@@ -126,7 +124,7 @@ HostCache build_cache(const FormatTraits& f, int64_t num_pages, int64_t page_siz
         }
         uint8_t* bf16 = row + f.bf16_offset;
         for (int i = 0; i < f.bf16_dim; ++i) {
-          const uint16_t b = float_to_bf16(x[f.fp8_dim + i]);
+          const uint16_t b = float_to_bf16(x[f.quant_dim + i]);
           bf16[2 * i] = static_cast<uint8_t>(b & 0xff);
           bf16[2 * i + 1] = static_cast<uint8_t>(b >> 8);
         }
@@ -284,24 +282,33 @@ struct Plan {
   int num_splits = 1;
   int split_size = 0;
   bool hopper = false;  // run the Hopper family's kernel instead of the portable one
+  bool dependent_combine = true;  // on sm_90+, the combine as the split kernel's programmatic dependent
   std::string text() const {
     return std::string(hopper ? "H " : "") + (variant == 1 ? "decode hpb=" : "prefill hpb=") +
            std::to_string(heads_per_block) +
-           (variant == 1 ? " splits=" + std::to_string(num_splits) + "x" + std::to_string(split_size) : "");
+           (variant == 1 ? " splits=" + std::to_string(num_splits) + "x" + std::to_string(split_size) : "") +
+           (dependent_combine ? "" : " serial");
   }
 };
 
 bool g_hopper_device = false;  // sm_90 GPU and a build with the Hopper family's sm_90a code
+bool g_dependent_combine = false;  // sm_90 or newer: the combine is the split kernel's programmatic dependent
+int g_sm_count = 0;
 
 Plan on_hopper(Plan plan) {
   plan.hopper = true;
   return plan;
 }
 
+Plan serial_combine(Plan plan) {
+  plan.dependent_combine = false;
+  return plan;
+}
+
 // Mirrors ffi/cuda_handlers.cu (after its checks).
 void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
-  const cuda::KernelInfo* kernel = plan.hopper ? cuda::hopper::find_kernel(d.pr.format, plan.heads_per_block)
-                                              : portable::find_kernel(d.pr.format, plan.heads_per_block);
+  const cuda::KernelInfo* kernel = cuda::find_kernel(plan.hopper ? cuda::Family::kHopper : cuda::Family::kPortable,
+                                                     d.pr.format, plan.heads_per_block);
   if (kernel == nullptr) {
     std::fprintf(stderr, "no kernel for %s hpb=%d\n", d.pr.name.c_str(), plan.heads_per_block);
     std::exit(2);
@@ -334,7 +341,7 @@ void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
     c.valid_tokens = p.attn.valid_tokens;
     c.out = p.attn.out;
     c.lse = p.attn.lse;
-    CHECK_CUDA(cuda::launch_combine(c, d.f->d_v, stream));
+    CHECK_CUDA(cuda::launch_combine(c, d.f->d_v, g_sm_count, g_dependent_combine && plan.dependent_combine, stream));
   }
 }
 
@@ -558,7 +565,7 @@ void run_case(DeviceProblem& d, const Plan& plan, const std::vector<int64_t>& to
 int round_up(int a, int b) { return (a + b - 1) / b * b; }
 
 Plan decode_plan(int hpb, int candidates, int splits) {
-  const int size = round_up((candidates + splits - 1) / splits, portable::split_granule());
+  const int size = round_up((candidates + splits - 1) / splits, cuda::kSplitGranule);
   return Plan{1, hpb, (candidates + size - 1) / size, size};
 }
 
@@ -678,10 +685,22 @@ int main(int argc, char** argv) {
   const bool sanitize = mode == "--sanitize";
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  g_hopper_device = prop.major * 10 + prop.minor == cuda::hopper::kComputeCapability && cuda::hopper::compiled();
+  g_hopper_device = prop.major * 10 + prop.minor == cuda::kHopperComputeCapability && cuda::hopper_compiled();
+  g_dependent_combine = prop.major >= 9;
+  g_sm_count = prop.multiProcessorCount;
   // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
   // the Hopper family when available, else the portable one). --headline: the headline shapes on the
   // Hopper family, each checked and timed (a quick performance comparison between builds).
+  // --profile-small: the T=1 H=128 decode (32 splits) once, for ncu.
+  if (mode == "--profile-small") {
+    const Fp8Table fp8;
+    HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
+    Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+    DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
+    run_case(d1, g_hopper_device ? on_hopper(decode_plan(64, 2048, 32)) : decode_plan(64, 2048, 32), {0}, 0);
+    release(d1);
+    return g_failed ? 1 : 0;
+  }
   if (mode == "--profile" || mode == "--headline") {
     const bool profile = mode == "--profile";
     const Fp8Table fp8;
@@ -699,8 +718,18 @@ int main(int argc, char** argv) {
     if (profile) return g_failed ? 1 : 0;
     Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
-    run_case(d1, on_hopper(decode_plan(64, 2048, 32)), {0}, 15);
+    for (int splits : {16, 32, 64}) {
+      run_case(d1, on_hopper(decode_plan(64, 2048, splits)), {0}, 15);
+      run_case(d1, serial_combine(on_hopper(decode_plan(64, 2048, splits))), {0}, 15);
+    }
     release(d1);
+    Problem pr1h16{"dsv3_2 T=1 H=16 k=2048", FormatId::kDsv32, 1, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+    DeviceProblem d1h16 = make_problem(pr1h16, &cache, nullptr, 19);
+    for (int splits : {32, 64}) {
+      run_case(d1h16, decode_plan(16, 2048, splits), {0}, 15);
+      run_case(d1h16, serial_combine(decode_plan(16, 2048, splits)), {0}, 15);
+    }
+    release(d1h16);
     Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
     DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
     run_case(dp, on_hopper(Plan{2, 64}), {0, 4095}, 5);
@@ -716,8 +745,9 @@ int main(int argc, char** argv) {
               prop.l2CacheSize >> 20);
   std::printf("hopper family: %s\n", g_hopper_device ? "yes" : "no");
   std::printf("kernels:");
-  for (auto* k = portable::kernels_begin(); k != portable::kernels_end(); ++k) {
-    std::printf(" [fmt%d h%d %dthr %dB]", static_cast<int>(k->format), k->heads_per_block, k->threads, k->shared_bytes);
+  for (const cuda::KernelShape& k : cuda::kKernelShapes) {
+    std::printf(" [%s fmt%d h%d %dthr %dB]", k.family == cuda::Family::kHopper ? "hopper" : "portable",
+                static_cast<int>(k.format), k.heads_per_block, k.threads, k.shared_bytes);
   }
   std::printf("\n");
   const Fp8Table fp8;
@@ -786,7 +816,19 @@ int main(int argc, char** argv) {
       Problem pr16{"dsv3_2 T=128 H=16 k=2048", FormatId::kDsv32, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
       DeviceProblem d16 = make_problem(pr16, &cache, nullptr, 17);
       run_case(d16, decode_plan(16, 2048, 2), {9}, reps);
+      run_case(d16, on_hopper(decode_plan(64, 2048, 1)), {9}, reps);
+      run_case(d16, on_hopper(decode_plan(64, 2048, 2)), {9}, reps);
       release(d16);
+      // Small batches: one user, a 16-head tensor-parallel shard, a few speculative tokens.
+      Problem pr1h16{"dsv3_2 T=1 H=16 k=2048", FormatId::kDsv32, 1, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+      DeviceProblem d1h16 = make_problem(pr1h16, &cache, nullptr, 19);
+      for (int splits : {16, 32, 64}) run_case(d1h16, decode_plan(16, 2048, splits), {0}, reps);
+      for (int splits : {32, 64}) run_case(d1h16, on_hopper(decode_plan(64, 2048, splits)), {0}, reps);
+      release(d1h16);
+      Problem pr16h128{"dsv3_2 T=16 H=128 k=2048", FormatId::kDsv32, 16, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+      DeviceProblem d16h128 = make_problem(pr16h128, &cache, nullptr, 20);
+      for (int splits : {2, 4, 8}) run_case(d16h128, on_hopper(decode_plan(64, 2048, splits)), {0, 15}, reps);
+      release(d16h128);
       Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
       DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
       run_case(dp, Plan{2, 64}, {0, 4095}, 3);

@@ -1,0 +1,109 @@
+"""Forward and forward+backward of ``sparse_mla`` on the CPU: the C++ kernels against XLA's autodiff of the
+pure-JAX lowering (``impl="xla"``), in the same run.
+
+    python benchmarks/bench_backward.py                                  # the default shape, both formats
+    python benchmarks/bench_backward.py --tokens 4 --heads 4 --topk 16 --cache_tokens 256 --repeats 1
+
+Per format: one jitted call of the forward, and one of ``jax.value_and_grad`` of ``sum(out * w) +
+sum(lse)`` with respect to q, the sink and (``bf16_576``) the cache, for each implementation; the median
+of ``--repeats`` calls after two warm-up calls. Each row also reports the largest difference between the
+two implementations' gradients, relative to the largest gradient (docs/semantics.md bounds each against
+float64 by 2e-2). Results go to ``--out_dir``/bench_backward.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+from absl import app, flags
+
+flags.DEFINE_list("formats", ["bf16_576", "dsv3_2"], "Cache formats (a bf16_* format adds the cache's gradient).")
+flags.DEFINE_integer("tokens", 64, "Query rows T.")
+flags.DEFINE_integer("heads", 16, "Query heads H.")
+flags.DEFINE_integer("topk", 256, "Candidates per row.")
+flags.DEFINE_integer("cache_tokens", 8192, "Cache slots.")
+flags.DEFINE_integer("repeats", 5, "Timed calls per case; the median is reported.")
+flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"), "Where results go.")
+FLAGS = flags.FLAGS
+
+PAGE_SIZE = 64
+IMPLS = ("auto", "xla")
+
+
+def run_format(kv_format, rng):
+    """The results row of one format: times per implementation and the gradients' difference."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_sparse_mla as jsm
+    from jax_sparse_mla.timing import median_step_seconds
+
+    fmt = jsm.get_format(kv_format)
+    t, h = FLAGS.tokens, FLAGS.heads
+    kv = jnp.asarray(rng.standard_normal((FLAGS.cache_tokens, fmt.d_qk)), jnp.float32)
+    operands = {
+        "q": jnp.asarray(rng.standard_normal((t, h, fmt.d_qk)), jnp.bfloat16),
+        "kv_cache": jsm.quantize_kv(kv, fmt, page_size=PAGE_SIZE),
+        "attn_sink": jnp.asarray(rng.standard_normal(h), jnp.float32),
+    }
+    indices = jnp.asarray(rng.integers(0, FLAGS.cache_tokens, (t, FLAGS.topk)), jnp.int32)
+    weights = jnp.asarray(rng.standard_normal((t, h, fmt.d_v)), jnp.float32)
+    wrt = ("q", "attn_sink") + (() if fmt.quantized else ("kv_cache",))
+    row = {"format": kv_format, "tokens": t, "heads": h, "topk": FLAGS.topk, "gradients": list(wrt)}
+    gradients = {}
+    for impl in IMPLS:
+        def attend(operands, indices, impl=impl):
+            return jsm.sparse_mla(operands["q"], operands["kv_cache"], indices, kv_format=fmt,
+                                  sm_scale=fmt.d_qk ** -0.5, attn_sink=operands["attn_sink"], impl=impl)
+
+        def loss(differentiated, operands, indices, attend=attend):
+            out, lse = attend({**operands, **differentiated}, indices)
+            return (out.astype(jnp.float32) * weights).sum() + lse.sum()
+
+        forward = jax.jit(attend)
+        forward_backward = jax.jit(jax.value_and_grad(loss))
+        differentiated = {name: operands[name] for name in wrt}
+        rest = {name: x for name, x in operands.items() if name not in wrt}
+        row[f"{impl}_forward_ms"] = 1e3 * median_step_seconds(forward, (operands, indices), 1, FLAGS.repeats, 1)[0]
+        row[f"{impl}_forward_backward_ms"] = 1e3 * median_step_seconds(
+            forward_backward, (differentiated, rest, indices), 1, FLAGS.repeats, 1)[0]
+        gradients[impl] = forward_backward(differentiated, rest, indices)[1]
+    row["speedup"] = row["xla_forward_backward_ms"] / row["auto_forward_backward_ms"]
+    kernel, xla = ({name: g.astype(jnp.float32) for name, g in gradients[impl].items()} for impl in IMPLS)
+    row["max_gradient_difference"] = {
+        name: float(jnp.abs(kernel[name] - xla[name]).max() / jnp.abs(xla[name]).max()) for name in wrt}
+    return row
+
+
+def markdown(rows) -> str:
+    lines = ["| format | T | H | topk | gradients | kernel fwd ms | xla fwd ms | kernel fwd+bwd ms | xla fwd+bwd ms "
+             "| speed-up (fwd+bwd) | max gradient difference |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        difference = ", ".join(f"{k} {v:.1e}" for k, v in r["max_gradient_difference"].items())
+        lines.append(f"| {r['format']} | {r['tokens']} | {r['heads']} | {r['topk']} | {', '.join(r['gradients'])} "
+                     f"| {r['auto_forward_ms']:.2f} | {r['xla_forward_ms']:.2f} | {r['auto_forward_backward_ms']:.2f} "
+                     f"| {r['xla_forward_backward_ms']:.2f} | {r['speedup']:.2f}x | {difference} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows = [run_format(kv_format, rng) for kv_format in FLAGS.formats]
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
+    with open(os.path.join(FLAGS.out_dir, "bench_backward.json"), "w") as f:
+        json.dump({"machine": machine, "rows": rows}, f, indent=1)
+    text = f"CPU ({machine}); times are medians of {FLAGS.repeats} jitted calls.\n\n" + markdown(rows)
+    with open(os.path.join(FLAGS.out_dir, "bench_backward.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Where a small-batch decode step's time goes, on a GPU machine: per-kernel device times (ncu) of one
+# jitted step for T = 1 at H = 128 and H = 16, warp-stall sampling of the Hopper split kernel at T = 1
+# H = 128, the standalone headline timings (split merge launched as a programmatic dependent or not)
+# and, when FlashMLA's sources are in $JSMLA_FLASHMLA_SRC (default .anchors/flashmla), its kernels
+# for the same shapes. Output: $OUT (default /tmp/jsmla_profile); a summary is printed.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/jsmla_profile}
+mkdir -p "$out"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+flashmla_src=${JSMLA_FLASHMLA_SRC:-$repo/.anchors/flashmla}
+if [ -f "$flashmla_src/setup_sm90.py" ]; then
+  (cd "$flashmla_src" && MAX_JOBS=8 NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
+     python3 setup_sm90.py build_ext --inplace > "$out/flashmla_build.log" 2>&1) &
+fi
+JSMLA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps "$repo" \
+  -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90a-real > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+(cd "$repo" && BUILD=/tmp/jsmla_profile_build SKIP_SANITIZE=1 OUT="$out/check" \
+   bash kernels/cuda/tests/build_and_check.sh --headline > "$out/headline.log" 2>&1)
+grep -E "us .*TFLOP" "$out/headline.log"
+kernel_times() {  # ncu per-kernel device times of a command's last jitted call (caches kept warm)
+  ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv "$@" 2>/dev/null
+}
+cd /tmp
+for heads in 128 16; do
+  kernel_times python3 "$repo/benchmarks/step_profile.py" --tokens 1 --heads $heads --steps 4 --once > "$out/step_h$heads.csv"
+  echo "== jitted step, T=1 H=$heads"
+  python3 "$repo/benchmarks/step_profile.py" --summarize "$out/step_h$heads.csv" --steps 4 | tail -8
+done
+ncu --clock-control none --cache-control none -k regex:sparse_mla_hopper --launch-skip 1 --launch-count 1 \
+  --section SourceCounters --section WarpStateStats --section SpeedOfLight -o "$out/small" -f \
+  /tmp/jsmla_profile_build/portable_check --profile-small > "$out/ncu_small.log" 2>&1
+ncu -i "$out/small.ncu-rep" --page details > "$out/small_details.txt" 2>&1
+grep -E "Duration|Warp Cycles Per Issued|Issued Warp|Memory Throughput|Compute \(SM\)" "$out/small_details.txt" | head -8
+ncu -i "$out/small.ncu-rep" --page source --csv --print-source sass > "$out/small_src.csv" 2>/dev/null
+python3 "$repo/kernels/cuda/tests/top_stalls.py" "$out/small_src.csv" 25
+wait
+if [ -d "$flashmla_src/flash_mla" ] && ls "$flashmla_src"/flash_mla/cuda*.so > /dev/null 2>&1; then
+  for heads in 128 64; do
+    PYTHONPATH="$flashmla_src" kernel_times python3 "$repo/benchmarks/flashmla_anchor.py" 1 $heads > "$out/flashmla_h$heads.csv"
+    echo "== FlashMLA decode, T=1 H=$heads (last call's kernels, µs)"
+    python3 - "$out/flashmla_h$heads.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))
+        if r.get("Metric Name") == "gpu__time_duration.sum"]
+for r in rows[-3:]:
+    scale = 1e-3 if r["Metric Unit"].startswith("n") else 1.0
+    print(f'{float(r["Metric Value"].replace(",", "")) * scale:8.2f}  {r["Kernel Name"][:90]}')
+PY
+  done
+else
+  echo "FlashMLA not built:"; tail -3 "$out/flashmla_build.log"
+fi

@@ -1,0 +1,59 @@
+// CPU XLA FFI handler of the backward target: decodes the call and runs the C++ CPU backward kernel on
+// JSMLA_CPU_THREADS threads (a positive count) or, when that variable is unset or empty, on as many
+// threads as the hardware has.
+#include <cstdlib>
+#include <string>
+
+#include "ffi/backward_args.h"
+#include "ffi/cpu_handlers.h"
+#include "kernels/cpu/sparse_mla_cpu_bwd.h"
+
+namespace jsmla::ffi_glue {
+namespace {
+
+// The thread count JSMLA_CPU_THREADS asks for (0: the hardware concurrency), or an error naming it.
+ffi::Error threads_from_environment(int* num_threads) {
+  *num_threads = 0;
+  const char* text = std::getenv("JSMLA_CPU_THREADS");
+  if (text == nullptr || *text == '\0') return ffi::Error::Success();
+  char* end = nullptr;
+  const long threads = std::strtol(text, &end, 10);
+  if (*end != '\0' || threads < 1 || threads > 4096) {
+    return ffi::Error::InvalidArgument(std::string("JSMLA_CPU_THREADS: expected a thread count in [1, 4096], got '") +
+                                       text + "'");
+  }
+  *num_threads = static_cast<int>(threads);
+  return ffi::Error::Success();
+}
+
+ffi::Error SparseMlaBackwardCpu(ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
+                                ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
+                                ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
+                                ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
+                                ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> d_out, ffi::Buffer<ffi::F32> d_lse,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> d_q,
+                                ffi::Result<ffi::Buffer<ffi::BF16>> d_kv_cache,
+                                ffi::Result<ffi::Buffer<ffi::F32>> d_attn_sink, int32_t kv_format,
+                                int32_t extra_kv_format, float sm_scale,
+                                int64_t page_size, int64_t num_pages, int64_t page_stride, int64_t row_stride,
+                                int64_t extra_page_size, int64_t extra_num_pages, int64_t extra_page_stride,
+                                int64_t extra_row_stride, int64_t gradient_groups) {
+  const FormatTraits* format = nullptr;
+  BackwardParams params;
+  ffi::Error error = decode_backward(
+      kv_format, extra_kv_format, sm_scale, {page_size, num_pages, page_stride, row_stride},
+      {extra_page_size, extra_num_pages, extra_page_stride, extra_row_stride}, q, kv_cache, indices, topk_length,
+      attn_sink, extra_kv_cache, extra_indices, extra_topk_length, valid_tokens, lse, d_out, d_lse, d_q, d_kv_cache,
+      d_attn_sink, gradient_groups, &format, &params);
+  if (error.failure()) return error;
+  int num_threads = 0;
+  if (error = threads_from_environment(&num_threads); error.failure()) return error;
+  sparse_mla_cpu_backward(*format, params, num_threads);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jsmla::ffi_glue
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JsmlaSparseMlaBackwardCpu, jsmla::ffi_glue::SparseMlaBackwardCpu,
+                              jsmla::ffi_glue::bind_backward(xla::ffi::Ffi::Bind()));

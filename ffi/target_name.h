@@ -1,0 +1,11 @@
+// The FFI target names: the forward both handlers register under, and the backward (the CPU handler
+// only, for now). A changed operand or attribute contract gets a new name, so that exported programs keep
+// loading; jax_sparse_mla/_ffi.py takes them from the CPU extension.
+#pragma once
+
+namespace jsmla::ffi_glue {
+
+inline constexpr const char kTargetName[] = "jax_sparse_mla_fwd_v2";
+inline constexpr const char kBackwardTargetName[] = "jax_sparse_mla_bwd_v1";
+
+}  // namespace jsmla::ffi_glue

@@ -1,0 +1,85 @@
+"""The kernel tables and call-contract limits, as compiled into the always-built CPU extension.
+
+The C++ headers are the one source of these facts (``kernels/common/contract.h``,
+``kernels/cuda/kernel_table.h`` and the family configs it expands); this module only turns what
+``_cpu_ext.kernel_tables()`` reports into plain Python data for the planner, validation and
+``supported_configs()``. Planning for CUDA therefore works on a host without a GPU or a CUDA build.
+
+Contract of a CUDA plan (the CUDA handler checks it again):
+  * ``variant``: ``VARIANT_IDS["decode"]`` (split-K over the candidate list, then a merge of the splits,
+    through the workspace) or ``VARIANT_IDS["prefill"]`` (one pass per token and head tile, no
+    workspace); the CPU runs ``VARIANT_IDS["reference"]``.
+  * ``heads_per_block``: one of ``HEAD_TILES[kv_format]``; heads past H in the last tile are masked.
+  * decode: ``split_size`` a positive multiple of ``SPLIT_GRANULE`` with
+    ``num_splits * split_size >= topk + extra_topk``; split s covers candidate positions
+    ``[s*split_size, (s+1)*split_size)`` of the main list followed by the extra list; the workspace is
+    ``workspace_bytes(num_splits, T, H, d_v)`` bytes.
+  * On an sm_90 device the handler runs the Hopper kernel of the same (format, head tile) when one
+    exists (:func:`kernel_family`): the same variants, split sizes and workspace, so plans do not change.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from . import _cpu_ext
+from .formats import FORMATS, get_format
+
+__all__ = ["KernelConfig", "VARIANT_IDS", "MIN_HEADS", "MAX_HEADS", "MIN_TOPK", "SPLIT_GRANULE",
+           "MIN_COMPUTE_CAPABILITY", "HOPPER_COMPUTE_CAPABILITY", "FAMILIES", "KERNELS", "HOPPER_KERNELS",
+           "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "kernel_family"]
+
+_TABLES = _cpu_ext.kernel_tables()
+
+
+class KernelConfig(NamedTuple):
+    threads: int         # threads per block
+    candidate_tile: int  # KV rows gathered and dequantized per pipeline step
+    shared_bytes: int    # dynamic shared memory per block
+
+
+#: Values of the ``variant`` FFI attribute.
+VARIANT_IDS: dict = dict(_TABLES["variants"])
+#: Head counts per call (per shard).
+MIN_HEADS: int = _TABLES["min_heads"]
+MAX_HEADS: int = _TABLES["max_heads"]
+#: Smallest index row width.
+MIN_TOPK: int = _TABLES["min_topk"]
+#: Decode split sizes are positive multiples of this.
+SPLIT_GRANULE: int = _TABLES["split_granule"]
+#: Oldest compute capability (major*10 + minor) with a kernel.
+MIN_COMPUTE_CAPABILITY: int = _TABLES["min_compute_capability"]
+#: The compute capability the Hopper family runs on (sm_90a code runs on 9.0 devices only).
+HOPPER_COMPUTE_CAPABILITY: int = _TABLES["hopper_compute_capability"]
+
+_FORMAT_KEYS = {f.id: key for key, f in FORMATS.items()}
+#: Per family, every instantiated kernel: (kv_format key, heads_per_block) -> its launch shape.
+FAMILIES: dict = {}
+for _entry in _TABLES["kernels"]:
+    FAMILIES.setdefault(_entry["family"], {})[(_FORMAT_KEYS[_entry["kv_format"]], _entry["heads_per_block"])] = (
+        KernelConfig(_entry["threads"], _entry["candidate_tile"], _entry["shared_bytes"]))
+#: The portable family (every format; what plans are written for).
+KERNELS: dict = FAMILIES["portable"]
+#: The Hopper family (sm_90a).
+HOPPER_KERNELS: dict = FAMILIES.get("hopper", {})
+#: Instantiated head tiles per format, ascending.
+HEAD_TILES: dict = {key: tuple(sorted(h for (k, h) in KERNELS if k == key)) for key in dict.fromkeys(k for k, _ in KERNELS)}
+
+
+def has_cuda_kernels(kv_format: str) -> bool:
+    """Whether the CUDA kernels serve a format (its portable instances exist)."""
+    return get_format(kv_format).key in HEAD_TILES
+
+
+def workspace_bytes(num_splits: int, num_tokens: int, num_heads: int, d_v: int) -> int:
+    """Bytes of the decode workspace (layout: ``kernels/cuda/split_workspace.h``)."""
+    return int(_cpu_ext.workspace_bytes(num_splits, num_tokens, num_heads, d_v))
+
+
+def kernel_family(kv_format: str, heads_per_block: int, compute_capability: int, max_shared_bytes: int,
+                  hopper_compiled: bool = True) -> str:
+    """Which family runs a plan on a device: ``"hopper"`` or ``"portable"``, decided as the CUDA handler
+    decides it. ``hopper_compiled``: the build carries sm_90a code (the default architectures do);
+    ``JSMLA_CUDA_FAMILY=portable`` in the environment keeps every plan on the portable family."""
+    return _cpu_ext.kernel_family(get_format(kv_format).id, heads_per_block, compute_capability, max_shared_bytes,
+                                  hopper_compiled)

@@ -1,0 +1,95 @@
+// The kernel tables of both CUDA families as host constexpr data (no CUDA headers): every instance of
+// kernel_list.h with its launch shape, the split granule, the architectures, the workspace size and the
+// choice of family for a plan. The CUDA handler and registry use it; so does the always-built CPU
+// extension, which hands it to the planner (jax_sparse_mla/kernel_tables.py) — planning for CUDA needs
+// no GPU, and no table is typed twice.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/common/formats.h"
+#include "kernels/cuda/hopper/config.h"
+#include "kernels/cuda/kernel_list.h"
+#include "kernels/cuda/portable/config.h"
+#include "kernels/cuda/split_workspace.h"
+
+namespace jsmla::cuda {
+
+enum class Family : int32_t { kPortable = 0, kHopper = 1 };
+
+// One instance as the planner and the handler see it.
+struct KernelShape {
+  Family family;
+  FormatId format;
+  int32_t heads_per_block;
+  int32_t threads;
+  int32_t candidate_tile;
+  int32_t shared_bytes;  // dynamic shared memory per block
+};
+
+template <class Cfg>
+constexpr KernelShape shape_of(Family family) {
+  return {family, Cfg::kF.id, Cfg::kHeadTile, Cfg::kThreads, Cfg::kCandidateTile, Cfg::kSharedBytes};
+}
+
+#define JSMLA_PORTABLE_SHAPE(format, heads) shape_of<portable::PortableConfig<FormatId::format, heads>>(Family::kPortable),
+#define JSMLA_HOPPER_SHAPE(format, heads) shape_of<hopper::HopperConfig<FormatId::format, heads>>(Family::kHopper),
+inline constexpr KernelShape kKernelShapes[] = {JSMLA_PORTABLE_KERNELS(JSMLA_PORTABLE_SHAPE)
+                                                    JSMLA_HOPPER_KERNELS(JSMLA_HOPPER_SHAPE)};
+#undef JSMLA_PORTABLE_SHAPE
+#undef JSMLA_HOPPER_SHAPE
+inline constexpr int kNumKernels = sizeof(kKernelShapes) / sizeof(kKernelShapes[0]);
+
+// Decode split sizes are positive multiples of this (every candidate tile divides it).
+inline constexpr int32_t kSplitGranule = portable::kSplitGranule;
+// Oldest compute capability (major * 10 + minor) with a kernel: SASS for sm_80/90a/120a, PTX for sm_80.
+inline constexpr int32_t kMinComputeCapability = 80;
+// The Hopper family's sm_90a code runs on compute capability 9.0 only.
+inline constexpr int32_t kHopperComputeCapability = 90;
+
+// The index of an instance in kKernelShapes, or -1.
+constexpr int find_shape(Family family, FormatId format, int heads_per_block) {
+  for (int i = 0; i < kNumKernels; ++i) {
+    const KernelShape& k = kKernelShapes[i];
+    if (k.family == family && k.format == format && k.heads_per_block == heads_per_block) return i;
+  }
+  return -1;
+}
+
+constexpr bool tables_consistent() {
+  for (const KernelShape& k : kKernelShapes) {
+    // The handler swaps a Hopper kernel in for the portable one of a plan: same tile, same splits.
+    if (k.family == Family::kHopper) {
+      const int twin = find_shape(Family::kPortable, k.format, k.heads_per_block);
+      if (twin < 0 || kKernelShapes[twin].candidate_tile != k.candidate_tile) return false;
+    }
+    if (kSplitGranule % k.candidate_tile != 0) return false;
+  }
+  return true;
+}
+static_assert(tables_consistent(),
+              "every Hopper instance needs a portable twin with its candidate tile, and every candidate tile "
+              "must divide the split granule");
+
+// The family that runs a plan's (format, head tile) on a device: the Hopper kernel when it exists, the
+// device is sm_90 with enough shared memory, the build carries sm_90a code and JSMLA_CUDA_FAMILY does
+// not ask for the portable family; the portable kernel otherwise.
+constexpr Family choose_family(FormatId format, int heads_per_block, int capability, int max_shared_bytes,
+                               bool hopper_compiled, bool hopper_allowed) {
+  const int hopper = find_shape(Family::kHopper, format, heads_per_block);
+  return hopper >= 0 && hopper_compiled && hopper_allowed && capability == kHopperComputeCapability &&
+                 kKernelShapes[hopper].shared_bytes <= max_shared_bytes
+             ? Family::kHopper
+             : Family::kPortable;
+}
+
+// JSMLA_CUDA_FAMILY=portable keeps sm_90 GPUs on the portable kernels (for comparisons); unset or
+// any other value lets them run the Hopper kernels.
+inline bool hopper_allowed_by_environment() {
+  const char* value = std::getenv("JSMLA_CUDA_FAMILY");
+  return value == nullptr || std::strcmp(value, "portable") != 0;
+}
+
+}  // namespace jsmla::cuda

@@ -1,0 +1,62 @@
+// The sizes of gathering one candidate tile (host- and device-compilable constexpr, no CUDA headers):
+// how a candidate row is staged as 16-byte units, how many loader threads share a row, the row's scale
+// record and, for arbitrary FP32 scales, the per-row factor block. The kernel configs size their shared
+// memory from it, and the CPU extension compiles the same configs to give the planner the kernel
+// tables; the device half of the loader (load_tile.cuh) derives from it.
+#pragma once
+
+#include "kernels/common/formats.h"
+
+namespace jsmla::cuda {
+
+// Bytes of the scale record one row needs: all FP32 scales of an inline row, or the footer scale row.
+constexpr int scale_record_bytes(const FormatTraits& f) {
+  if (f.scale_kind == ScaleKind::kNone) return 0;
+  return f.layout == Layout::kFooter ? f.scale_row_bytes : f.num_groups * f.scale_bytes();
+}
+
+// Bytes one thread's private scale slot holds (the largest record of any format).
+inline constexpr int kScaleSlotBytes = 16;
+
+// Thread `tid` of kThreads loader threads owns row tid / kThreadsPerRow of a kCandidateTile-row tile and
+// units sub, sub + kThreadsPerRow, ... of it, where a unit is 16 staged bytes (16 FP8 values or 8 BF16
+// values).
+template <FormatId kFormatValue, int kCandidateTileValue, int kThreadsValue>
+struct LoaderGeometry {
+  static constexpr FormatId kFormat = kFormatValue;
+  static constexpr FormatTraits kF = format_traits(kFormat);
+  static constexpr int kCandidateTile = kCandidateTileValue;
+  static constexpr int kThreads = kThreadsValue;
+  static constexpr int kThreadsPerRow = kThreads / kCandidateTile;
+  static constexpr int kFp8Units = kF.quant_dim / 16;
+  static constexpr int kBf16Units = kF.bf16_dim * 2 / 16;
+  static constexpr int kUnits = kFp8Units + kBf16Units;
+  static constexpr int kUnitsPerThread = (kUnits + kThreadsPerRow - 1) / kThreadsPerRow;
+  static constexpr int kStagedRowBytes = kUnits * 16;
+  static constexpr int kScaleRecordBytes = scale_record_bytes(kF);
+  // Scales that are not powers of two: their mantissas are applied in FP32 by the kernel.
+  static constexpr bool kExactScales = kF.scale_kind == ScaleKind::kFp32 && !kF.pow2_scales;
+  static constexpr int kNumGroups = kF.num_groups;
+  // Per-row factors of kExactScales (floats): mantissa[g][row], then ratio[g][row] = m_g / m_{g+1}
+  // (m_G = 1: the unscaled BF16 lanes after the last group).
+  static constexpr int kFactorFloats = kExactScales ? 2 * kNumGroups * kCandidateTile : 0;
+  // BF16 elements between consecutive rows of an unswizzled tile: d_qk plus 16 bytes, so that the 8
+  // rows one ldmatrix phase reads fall into 8 different 16-byte bank groups.
+  static constexpr int kTilePitch = kF.d_qk + 8;
+
+  static_assert(kF.quant_bits != 4, "FP4 caches have no CUDA loader (the units below are 16 FP8 values)");
+  static_assert(kThreads % kCandidateTile == 0, "every tile row needs the same number of loader threads");
+  static_assert(kF.quant_dim % 16 == 0 && (2 * kF.bf16_dim) % 16 == 0, "payload must split into 16-byte units");
+  static_assert(kF.bf16_offset % 16 == 0, "the BF16 lanes of a row must be 16-byte aligned for cp.async");
+  static_assert(kF.layout != Layout::kInline || kF.scale_offset % 16 == 0, "inline scales must be 16-byte aligned");
+  static_assert(kF.group_size == 0 || kF.group_size % 16 == 0, "a 16-value unit must lie inside one scale group");
+  static_assert(kScaleRecordBytes == 0 || kScaleRecordBytes == 8 || kScaleRecordBytes == 16,
+                "scale records are copied with one 8- or 16-byte cp.async");
+  static_assert(kScaleRecordBytes <= kScaleSlotBytes, "scale record must fit the thread's scale slot");
+  static_assert(!kExactScales || (kF.layout == Layout::kInline && kScaleRecordBytes == 4 * kNumGroups),
+                "exact FP32 scales: every group's scale is in the thread's scale slot");
+  static_assert((kTilePitch * 2) % 16 == 0 && ((kTilePitch * 2) / 16) % 8 == 1,
+                "tile rows must start 16-byte aligned and rotate through the 8 bank groups");
+};
+
+}  // namespace jsmla::cuda

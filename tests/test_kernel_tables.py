@@ -1,0 +1,130 @@
+"""The kernel tables the planner reads from the C++ headers through the CPU extension (no GPU needed),
+and the files generated from the one declaration of the CUDA kernel instances."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import jax_sparse_mla as jsm
+from jax_sparse_mla import kernel_tables
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+H200_SHARED = 232448  # opt-in shared memory per block on sm_90
+PORTABLE_SHARED_LIMIT = 99 * 1024  # the portable family must fit sm_86/89/120's 99 KB
+
+
+def test_every_table_entry_is_consistent():
+    assert set(kernel_tables.FAMILIES) == {"portable", "hopper"}
+    for family, kernels in kernel_tables.FAMILIES.items():
+        assert kernels, family
+        for (key, heads), config in kernels.items():
+            fmt = jsm.get_format(key)
+            assert 1 <= heads <= kernel_tables.MAX_HEADS and heads % 16 == 0, (family, key, heads)
+            assert config.threads % 128 == 0 or config.threads == 128, (family, key, config)
+            assert kernel_tables.SPLIT_GRANULE % config.candidate_tile == 0, (family, key, config)
+            # One candidate tile of BF16 rows fits beside the rest of the kernel's shared memory.
+            assert config.candidate_tile * fmt.d_qk * 2 < config.shared_bytes, (family, key, config)
+            limit = PORTABLE_SHARED_LIMIT if family == "portable" else H200_SHARED
+            assert config.shared_bytes <= limit, (family, key, config)
+
+
+def test_every_format_with_cuda_kernels_has_a_small_and_a_large_portable_tile():
+    fp4 = {key for key, f in jsm.FORMATS.items() if f.quant_bits == 4}  # no CUDA loader yet
+    assert set(kernel_tables.HEAD_TILES) == set(jsm.FORMATS) - fp4
+    assert all(kernel_tables.has_cuda_kernels(key) != (key in fp4) for key in jsm.FORMATS)
+    for key, tiles in kernel_tables.HEAD_TILES.items():
+        assert tiles[0] == 16 and len(tiles) == 2 and tiles[1] in (32, 64), (key, tiles)
+
+
+def test_contract_values():
+    assert kernel_tables.VARIANT_IDS == {"reference": 0, "decode": 1, "prefill": 2}
+    assert (kernel_tables.MIN_HEADS, kernel_tables.MAX_HEADS, kernel_tables.MIN_TOPK) == (1, 128, 1)
+    assert kernel_tables.MIN_COMPUTE_CAPABILITY == 80 and kernel_tables.HOPPER_COMPUTE_CAPABILITY == 90
+    # validation and supported_configs() take their limits from the same table
+    assert jsm.supported_configs()["dsv3_2"]["heads"] == (kernel_tables.MIN_HEADS, kernel_tables.MAX_HEADS)
+
+
+def test_shared_memory_sizes_as_compiled():
+    # The values the kernels were tuned with (a layout change in config.h shows up here).
+    assert kernel_tables.KERNELS[("dsv3_2", 16)].shared_bytes == 68224
+    assert kernel_tables.KERNELS[("dsv3_2", 64)] == kernel_tables.KernelConfig(256, 32, 78464)
+    assert kernel_tables.KERNELS[("dots3_swa", 32)] == kernel_tables.KernelConfig(256, 16, 65856)
+    assert kernel_tables.HOPPER_KERNELS[("dsv3_2", 64)] == kernel_tables.KernelConfig(384, 32, 230656)
+    assert kernel_tables.HOPPER_KERNELS[("dsv4", 64)].shared_bytes == 206080
+
+
+@pytest.mark.parametrize("num_splits,tokens,heads,d_v", [(1, 1, 1, 512), (32, 1, 128, 512), (4, 7, 3, 1024)])
+def test_workspace_bytes(num_splits, tokens, heads, d_v):
+    # float32 partial_out[S][T][H][d_v] then partial_lse[S][T][H]
+    assert kernel_tables.workspace_bytes(num_splits, tokens, heads, d_v) == num_splits * tokens * heads * (d_v + 1) * 4
+
+
+def test_hopper_kernels_serve_portable_plans():
+    # The handler swaps the Hopper kernel in for the portable one of the same (format, head tile), so
+    # every Hopper entry must have a portable twin with the same candidate tile (split granule).
+    for key, config in kernel_tables.HOPPER_KERNELS.items():
+        assert key in kernel_tables.KERNELS
+        assert config.candidate_tile == kernel_tables.KERNELS[key].candidate_tile
+
+
+def test_hopper_formats_are_the_576_and_512_wide_formats_without_arbitrary_scales():
+    # scale_kind 0: no scales (bf16 rows); pow2_scales: power-of-two FP32 or UE8M0 scales.
+    served = {fmt for fmt, _ in kernel_tables.HOPPER_KERNELS}
+    expected = {key for key, f in jsm.FORMATS.items()
+                if f.d_qk in (512, 576) and f.d_v == 512 and f.quant_bits != 4 and (f.scale_kind == 0 or f.pow2_scales)}
+    assert served == expected
+
+
+@pytest.mark.parametrize("kv_format,heads,capability,shared,family", [
+    ("dsv3_2", 64, 90, H200_SHARED, "hopper"),
+    ("dsv3_2", 16, 90, H200_SHARED, "portable"),       # no Hopper kernel for 16-head tiles
+    ("dsv3_2", 64, 80, 166912, "portable"),            # A100
+    ("dsv3_2", 64, 120, 101376, "portable"),           # sm_120: no wgmma
+    ("dsv3_2", 64, 90, 100000, "portable"),            # not enough shared memory
+    ("glm_nsa", 64, 90, H200_SHARED, "portable"),      # arbitrary FP32 scales
+    ("dots3_swa", 32, 90, H200_SHARED, "portable"),
+    ("bf16_512", 64, 90, H200_SHARED, "hopper"),
+])
+def test_kernel_family(kv_format, heads, capability, shared, family):
+    assert kernel_tables.kernel_family(kv_format, heads, capability, shared) == family
+
+
+def test_kernel_family_without_sm90a_code_is_portable():
+    assert kernel_tables.kernel_family("dsv3_2", 64, 90, H200_SHARED, hopper_compiled=False) == "portable"
+
+
+def test_kernel_family_honours_the_environment_override(monkeypatch):
+    monkeypatch.setenv("JSMLA_CUDA_FAMILY", "portable")
+    assert kernel_tables.kernel_family("dsv3_2", 64, 90, H200_SHARED) == "portable"
+    monkeypatch.setenv("JSMLA_CUDA_FAMILY", "auto")
+    assert kernel_tables.kernel_family("dsv3_2", 64, 90, H200_SHARED) == "hopper"
+
+
+def test_plan_names_the_family_that_runs_it():
+    from jax_sparse_mla import planner
+    big = planner.plan((128, 128, 576), "dsv3_2", 2048, platform="cuda")
+    assert big.heads_per_block == 64 and big.family == "hopper"  # the default device is an H200
+    assert "family=hopper" in big.describe()
+    small = planner.plan((4, 8, 576), "dsv3_2", 64, platform="cuda")
+    assert small.heads_per_block == 16 and small.family == "portable"
+    assert planner.plan((4, 8, 576), "dsv3_2", 64, platform="cpu").family == "cpu_reference"
+
+
+def test_generated_kernel_files_are_up_to_date():
+    result = subprocess.run([sys.executable, str(ROOT / "kernels" / "cuda" / "generate_kernels.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_generator_declares_every_table_entry():
+    sys.path.insert(0, str(ROOT / "kernels" / "cuda"))
+    try:
+        import generate_kernels
+    finally:
+        sys.path.pop(0)
+    declared = {(family, key, heads) for family, key, _, heads in generate_kernels.instances()}
+    compiled = {(family, key, heads) for family, kernels in kernel_tables.FAMILIES.items() for key, heads in kernels}
+    assert declared == compiled
+    assert set(generate_kernels.INSTANCES) == set(jsm.FORMATS)
