@@ -42,7 +42,6 @@
 #define JSMLA_CPU_X86_BF16 0
 #endif
 
-#include "../common/dequantize_row.h"
 #include "../common/numeric.h"
 #include "tile_layout.h"
 
@@ -561,10 +560,6 @@ std::string cpu_kernel_options_from_environment(CpuKernelOptions* options) {
     return std::string("JSMLA_CPU_ISA: expected auto, portable, avx2, avx512 or avx512_bf16, got '") + text + "'";
   }
   return "";
-}
-
-void dequantize_row(const FormatTraits& f, const CacheView& cache, int64_t slot, float* out) {
-  dequantize_key_row(f, cache, slot, out);
 }
 
 void sparse_mla_cpu(const FormatTraits& f, const AttentionParams& p, const CpuKernelOptions& options) {

@@ -33,9 +33,6 @@ struct CpuKernelOptions {
 // absent or valid.
 std::string cpu_kernel_options_from_environment(CpuKernelOptions* options);
 
-// Dequantizes the K row of `slot` (a valid slot of `cache`) into `out[0, f.d_qk)` as float.
-void dequantize_row(const FormatTraits& f, const CacheView& cache, int64_t slot, float* out);
-
 // Computes out/lse for every row of `p`.
 void sparse_mla_cpu(const FormatTraits& f, const AttentionParams& p, const CpuKernelOptions& options);
 
