@@ -1,30 +1,15 @@
 // CPU XLA FFI handler of the backward target: decodes the call and runs the C++ CPU backward kernel on
-// JSMLA_CPU_THREADS threads (a positive count) or, when that variable is unset or empty, on as many
-// threads as the hardware has.
-#include <cstdlib>
+// JSMLA_CPU_THREADS threads (read as for the forward kernel) or, when that variable is unset or empty,
+// on as many threads as the hardware has.
 #include <string>
 
 #include "ffi/backward_args.h"
 #include "ffi/cpu_handlers.h"
+#include "kernels/cpu/sparse_mla_cpu.h"
 #include "kernels/cpu/sparse_mla_cpu_bwd.h"
 
 namespace jsmla::ffi_glue {
 namespace {
-
-// The thread count JSMLA_CPU_THREADS asks for (0: the hardware concurrency), or an error naming it.
-ffi::Error threads_from_environment(int* num_threads) {
-  *num_threads = 0;
-  const char* text = std::getenv("JSMLA_CPU_THREADS");
-  if (text == nullptr || *text == '\0') return ffi::Error::Success();
-  char* end = nullptr;
-  const long threads = std::strtol(text, &end, 10);
-  if (*end != '\0' || threads < 1 || threads > 4096) {
-    return ffi::Error::InvalidArgument(std::string("JSMLA_CPU_THREADS: expected a thread count in [1, 4096], got '") +
-                                       text + "'");
-  }
-  *num_threads = static_cast<int>(threads);
-  return ffi::Error::Success();
-}
 
 ffi::Error SparseMlaBackwardCpu(ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> indices,
                                 ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
@@ -46,9 +31,11 @@ ffi::Error SparseMlaBackwardCpu(ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cach
       attn_sink, extra_kv_cache, extra_indices, extra_topk_length, valid_tokens, lse, d_out, d_lse, d_q, d_kv_cache,
       d_attn_sink, gradient_groups, &format, &params);
   if (error.failure()) return error;
-  int num_threads = 0;
-  if (error = threads_from_environment(&num_threads); error.failure()) return error;
-  sparse_mla_cpu_backward(*format, params, num_threads);
+  CpuKernelOptions options;  // the forward's environment settings: one parser, one error text
+  if (const std::string problem = cpu_kernel_options_from_environment(&options); !problem.empty()) {
+    return ffi::Error::InvalidArgument(problem);
+  }
+  sparse_mla_cpu_backward(*format, params, options.num_threads);
   return ffi::Error::Success();
 }
 

@@ -31,7 +31,11 @@ ffi::Error SparseMlaCpu(ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_cache, ffi::
       {extra_page_size, extra_num_pages, extra_page_stride, extra_row_stride}, q, kv_cache, indices, topk_length,
       attn_sink, extra_kv_cache, extra_indices, extra_topk_length, valid_tokens, out, lse, &format, &params);
   if (error.failure()) return error;
-  sparse_mla_cpu(*format, params, /*num_threads=*/0);
+  CpuKernelOptions options;
+  if (const std::string problem = cpu_kernel_options_from_environment(&options); !problem.empty()) {
+    return ffi::Error::InvalidArgument(problem);
+  }
+  sparse_mla_cpu(*format, params, options);
   return ffi::Error::Success();
 }
 

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels/common/dequantize_row.h"
 #include "kernels/common/numeric.h"
 #include "kernels/cpu/sparse_mla_cpu.h"
 #include "kernels/cuda/combine.h"
@@ -419,7 +420,7 @@ Errors check(const DeviceProblem& d, int set, const std::vector<int64_t>& tokens
         collect(extra, t, cands);
         const size_t n = cands.size();
         keys.resize(n * f.d_qk);
-        for (size_t j = 0; j < n; ++j) dequantize_row(f, *cands[j].first, cands[j].second, keys.data() + j * f.d_qk);
+        for (size_t j = 0; j < n; ++j) dequantize_key_row(f, *cands[j].first, cands[j].second, keys.data() + j * f.d_qk);
         scores.resize(n);
         for (int h = 0; h < pr.num_heads; ++h) {
           const uint16_t* q = d.q.data() + (t * pr.num_heads + h) * f.d_qk;
