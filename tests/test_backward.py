@@ -12,11 +12,7 @@ gradient that read one, or let a masked value into its arithmetic, shows NaN.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +26,7 @@ from jax_sparse_mla.export import export
 import cases
 import oracle
 from cases import make_case
+from multi_device import child_main, run_checks
 
 # The backward's accuracy contract (docs/semantics.md): per gradient, against the float64 oracle.
 GRAD_MAX_TOL = 2e-2  # max |g - ref| <= GRAD_MAX_TOL * max |ref|
@@ -711,31 +708,9 @@ SHARDED_CHECKS = {"tensor_parallel": lambda: _check_sharded_gradient("tensor"),
                   "data_parallel": lambda: _check_sharded_gradient("data")}
 
 
-def _main(result_path):
-    assert jax.device_count() == NUM_DEVICES, jax.devices()
-    results = {}
-    for name, check in SHARDED_CHECKS.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:  # reported to the parent test, which fails with the traceback
-            results[name] = traceback.format_exc()
-    with open(result_path, "w") as f:
-        json.dump(results, f)
-
-
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory):
-    result_path = tmp_path_factory.mktemp("backward_sharding") / "results.json"
-    env = dict(os.environ,
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}",
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(result_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    with open(result_path) as f:
-        return json.load(f)
+    return run_checks(__file__, tmp_path_factory.mktemp("backward_sharding") / "results.json", NUM_DEVICES)
 
 
 @pytest.mark.parametrize("name", sorted(SHARDED_CHECKS))
@@ -744,4 +719,4 @@ def test_shard_map_of_the_gradient(sharded_results, name):
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    child_main(SHARDED_CHECKS, sys.argv[1], NUM_DEVICES)

@@ -10,11 +10,7 @@ change a bit of the result and the comparisons are exact.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.sharding import SparseMLASpecs, sharded_sparse_mla, sparse_mla_specs
+from multi_device import Skip, child_main, run_checks
 
 NUM_DEVICES = 8
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
@@ -33,10 +30,6 @@ COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "
 # --------------------------------------------------------------------------------------------------
 # Multi-device checks (run in the subprocess)
 # --------------------------------------------------------------------------------------------------
-
-class _Skip(Exception):
-    """A check that cannot run here; the parent test skips with its message."""
-
 
 def _cache(rng, kv_format, num_pages, page_size):
     d_qk = jsm.get_format(kv_format).d_qk
@@ -242,7 +235,7 @@ def _check_export_sharded():
     try:
         import flatbuffers  # noqa: F401  (jax.export serialisation needs it)
     except ImportError:
-        raise _Skip("jax.export serialisation needs the 'flatbuffers' package (pip install flatbuffers)")
+        raise Skip("jax.export serialisation needs the 'flatbuffers' package (pip install flatbuffers)")
     from jax_sparse_mla.export import export
 
     rng = np.random.default_rng(8)
@@ -276,21 +269,6 @@ CHECKS = {
 }
 
 
-def _main(result_path):
-    assert jax.device_count() == NUM_DEVICES, jax.devices()
-    results = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            results[name] = "ok"
-        except _Skip as skip:
-            results[name] = f"skip: {skip}"
-        except Exception:  # reported to the parent test, which fails with the traceback
-            results[name] = traceback.format_exc()
-    with open(result_path, "w") as f:
-        json.dump(results, f)
-
-
 # --------------------------------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------------------------------
@@ -298,16 +276,7 @@ def _main(result_path):
 @pytest.fixture(scope="module")
 def multi_device_results(tmp_path_factory):
     """Runs the checks above once, in a subprocess with 8 forced CPU devices."""
-    result_path = tmp_path_factory.mktemp("sharding") / "results.json"
-    env = dict(os.environ,
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}",
-               JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(result_path)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    with open(result_path) as f:
-        return json.load(f)
+    return run_checks(__file__, tmp_path_factory.mktemp("sharding") / "results.json", NUM_DEVICES)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
@@ -393,4 +362,4 @@ def test_axis_errors(kwargs, message):
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    child_main(CHECKS, sys.argv[1], NUM_DEVICES)

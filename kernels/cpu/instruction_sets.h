@@ -2,7 +2,8 @@
 // (kernels/cpu/tile_kernels.h), for plain C++ and, on x86-64, AVX2, AVX-512 and AVX-512 BF16. Each set
 // and its copy of the tile algorithm are compiled inside the set's namespace and compile-target
 // region, so the package needs no instruction-set compiler flags and runs on any CPU; sparse_mla_cpu.cc
-// picks a set at run time.
+// picks a set at run time. The SIMD sets' exp and BF16 rounding are written once, over their integer
+// primitives, in kernels/cpu/vector_math.h.
 //
 // Included once, by sparse_mla_cpu.cc, inside its anonymous namespace in jsmla::cpu, after the
 // standard and intrinsics headers (no include guard: the tile algorithm is included once per set).
@@ -274,27 +275,20 @@ struct Ops {
   static JSMLA_INLINE F max(F a, F b) { return _mm256_max_ps(a, b); }
   static JSMLA_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static JSMLA_INLINE __m256i ints(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
-  static JSMLA_INLINE F exp_nonpositive(F x) {
-    x = _mm256_max_ps(x, set1(kMinArgument));
-    const F shifted = fma(x, set1(kLog2e), set1(kRoundingShift));
-    const F n = sub(shifted, set1(kRoundingShift));
-    F r = fma(n, set1(-kLn2High), x);
-    r = fma(n, set1(-kLn2Low), r);
-    F y = set1(kExpPolynomial[0]);
-    for (int i = 1; i < 6; ++i) y = fma(y, r, set1(kExpPolynomial[i]));
-    y = fma(y, mul(r, r), r);
-    y = add(y, set1(1.0f));
-    const __m256i exponent =
-        _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(shifted), ints(bits_of(kRoundingShift))), ints(127));
-    return mul(y, _mm256_castsi256_ps(_mm256_slli_epi32(exponent, 23)));
-  }
-  static JSMLA_INLINE __m256i round_bits(__m256i bits) {
-    const __m256i bias = _mm256_add_epi32(ints(0x7fff), _mm256_and_si256(_mm256_srli_epi32(bits, 16), ints(1)));
-    return _mm256_add_epi32(bits, bias);
-  }
-  static JSMLA_INLINE F round_bf16(F x) {
-    return _mm256_castsi256_ps(_mm256_and_si256(round_bits(_mm256_castps_si256(x)), ints(0xffff0000u)));
-  }
+  // 32-bit integer lanes, for vector_math.h.
+  using I = __m256i;
+  static JSMLA_INLINE I bits(F x) { return _mm256_castps_si256(x); }
+  static JSMLA_INLINE F from_bits(I x) { return _mm256_castsi256_ps(x); }
+  static JSMLA_INLINE I add_i(I a, I b) { return _mm256_add_epi32(a, b); }
+  static JSMLA_INLINE I sub_i(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static JSMLA_INLINE I and_i(I a, I b) { return _mm256_and_si256(a, b); }
+  template <int kShift>
+  static JSMLA_INLINE I shift_left(I x) { return _mm256_slli_epi32(x, kShift); }
+  template <int kShift>
+  static JSMLA_INLINE I shift_right(I x) { return _mm256_srli_epi32(x, kShift); }
+  static F exp_nonpositive(F x);
+  static I round_bits(I bits);
+  static F round_bf16(F x);
   static JSMLA_INLINE void store_pairs(uint32_t* words, F even, F odd) {
     const __m256i packed = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(even), 16),
                                            _mm256_and_si256(_mm256_castps_si256(odd), ints(0xffff0000u)));
@@ -359,6 +353,7 @@ struct Ops {
   }
 };
 
+#include "vector_math.h"
 #include "tile_kernels.h"
 
 }  // namespace avx2
@@ -389,27 +384,20 @@ struct Ops {
   static JSMLA_INLINE F max(F a, F b) { return _mm512_max_ps(a, b); }
   static JSMLA_INLINE F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static JSMLA_INLINE __m512i ints(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
-  static JSMLA_INLINE F exp_nonpositive(F x) {
-    x = _mm512_max_ps(x, set1(kMinArgument));
-    const F shifted = fma(x, set1(kLog2e), set1(kRoundingShift));
-    const F n = sub(shifted, set1(kRoundingShift));
-    F r = fma(n, set1(-kLn2High), x);
-    r = fma(n, set1(-kLn2Low), r);
-    F y = set1(kExpPolynomial[0]);
-    for (int i = 1; i < 6; ++i) y = fma(y, r, set1(kExpPolynomial[i]));
-    y = fma(y, mul(r, r), r);
-    y = add(y, set1(1.0f));
-    const __m512i exponent =
-        _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(shifted), ints(bits_of(kRoundingShift))), ints(127));
-    return mul(y, _mm512_castsi512_ps(_mm512_slli_epi32(exponent, 23)));
-  }
-  static JSMLA_INLINE __m512i round_bits(__m512i bits) {
-    const __m512i bias = _mm512_add_epi32(ints(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), ints(1)));
-    return _mm512_add_epi32(bits, bias);
-  }
-  static JSMLA_INLINE F round_bf16(F x) {
-    return _mm512_castsi512_ps(_mm512_and_si512(round_bits(_mm512_castps_si512(x)), ints(0xffff0000u)));
-  }
+  // 32-bit integer lanes, for vector_math.h.
+  using I = __m512i;
+  static JSMLA_INLINE I bits(F x) { return _mm512_castps_si512(x); }
+  static JSMLA_INLINE F from_bits(I x) { return _mm512_castsi512_ps(x); }
+  static JSMLA_INLINE I add_i(I a, I b) { return _mm512_add_epi32(a, b); }
+  static JSMLA_INLINE I sub_i(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static JSMLA_INLINE I and_i(I a, I b) { return _mm512_and_si512(a, b); }
+  template <int kShift>
+  static JSMLA_INLINE I shift_left(I x) { return _mm512_slli_epi32(x, kShift); }
+  template <int kShift>
+  static JSMLA_INLINE I shift_right(I x) { return _mm512_srli_epi32(x, kShift); }
+  static F exp_nonpositive(F x);
+  static I round_bits(I bits);
+  static F round_bf16(F x);
   static JSMLA_INLINE void store_pairs(uint32_t* words, F even, F odd) {
     const __m512i packed = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
                                            _mm512_and_si512(_mm512_castps_si512(odd), ints(0xffff0000u)));
@@ -464,6 +452,7 @@ struct Ops {
   }
 };
 
+#include "vector_math.h"
 #include "tile_kernels.h"
 
 }  // namespace avx512
