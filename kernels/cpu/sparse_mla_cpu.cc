@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -113,29 +112,31 @@ int usable_cores() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-// All threads of a call wait here between phases.
+// All threads of a call wait here between phases: a counter and a generation, spinning briefly and then
+// yielding. (Not std::condition_variable: its wait() carries a libstdc++ 12 symbol version, which would
+// raise the wheel's manylinux tag.) Every thread of the call arrives at every barrier, so none waits
+// forever; the last to arrive resets the counter before it releases the others, so no thread can arrive
+// at the next barrier early. The acquire/release pairs make each phase's writes visible to the next.
 class Barrier {
  public:
   explicit Barrier(int count) : count_(count) {}
   void arrive_and_wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    const int64_t generation = generation_;
-    if (++arrived_ == count_) {
-      arrived_ = 0;
-      ++generation_;
-      lock.unlock();
-      wake_.notify_all();
+    const int64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
       return;
     }
-    wake_.wait(lock, [&] { return generation_ != generation; });
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins >= kSpinsBeforeYield) std::this_thread::yield();
+    }
   }
 
  private:
-  std::mutex mutex_;
-  std::condition_variable wake_;
+  static constexpr int kSpinsBeforeYield = 64;
   const int count_;
-  int arrived_ = 0;
-  int64_t generation_ = 0;
+  std::atomic<int> arrived_{0};
+  std::atomic<int64_t> generation_{0};
 };
 
 // Memory for one call, reused by later calls so that a call does not page-fault fresh memory.
