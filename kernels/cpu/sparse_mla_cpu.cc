@@ -24,7 +24,10 @@
 #include <vector>
 
 #if defined(__linux__)
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -112,31 +115,50 @@ int usable_cores() {
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-// All threads of a call wait here between phases: a counter and a generation, spinning briefly and then
-// yielding. (Not std::condition_variable: its wait() carries a libstdc++ 12 symbol version, which would
-// raise the wheel's manylinux tag.) Every thread of the call arrives at every barrier, so none waits
-// forever; the last to arrive resets the counter before it releases the others, so no thread can arrive
-// at the next barrier early. The acquire/release pairs make each phase's writes visible to the next.
+// All threads of a call wait here between phases: a counter and a generation word. A waiter spins a
+// little, then sleeps on the generation (a Linux futex; elsewhere it yields). Not std::condition_variable:
+// its wait() carries a libstdc++ 12 symbol version, which would raise the wheel's manylinux tag. Every
+// thread of the call arrives at every barrier, so none waits forever; the last to arrive resets the
+// counter before it advances the generation, so no thread reaches the next barrier early; a wake-up
+// between a waiter's check and its sleep is not lost (the futex sleeps only while the word still holds
+// the generation it saw). The acquire/release pairs make each phase's writes visible to the next.
 class Barrier {
  public:
   explicit Barrier(int count) : count_(count) {}
   void arrive_and_wait() {
-    const int64_t generation = generation_.load(std::memory_order_acquire);
+    const int32_t generation = generation_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
       arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(generation + 1, std::memory_order_release);
+      generation_.store(static_cast<int32_t>(static_cast<uint32_t>(generation) + 1u), std::memory_order_release);
+      wake_all();
       return;
     }
     for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
-      if (spins >= kSpinsBeforeYield) std::this_thread::yield();
+      if (spins >= kSpinsBeforeSleep) sleep_while(generation);
     }
   }
 
  private:
-  static constexpr int kSpinsBeforeYield = 64;
+  static constexpr int kSpinsBeforeSleep = 256;
+  static_assert(sizeof(std::atomic<int32_t>) == sizeof(int32_t) && std::atomic<int32_t>::is_always_lock_free,
+                "the futex reads the generation word in place");
+  void sleep_while(int32_t generation) {
+#if defined(__linux__)
+    syscall(SYS_futex, reinterpret_cast<int32_t*>(&generation_), FUTEX_WAIT_PRIVATE, generation, nullptr, nullptr, 0);
+#else
+    (void)generation;
+    std::this_thread::yield();
+#endif
+  }
+  void wake_all() {
+#if defined(__linux__)
+    syscall(SYS_futex, reinterpret_cast<int32_t*>(&generation_), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+#endif
+  }
+
   const int count_;
   std::atomic<int> arrived_{0};
-  std::atomic<int64_t> generation_{0};
+  std::atomic<int32_t> generation_{0};
 };
 
 // Memory for one call, reused by later calls so that a call does not page-fault fresh memory.

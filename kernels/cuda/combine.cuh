@@ -83,12 +83,24 @@ JSMLA_DEVICE void add_float4(float4& sum, const float4& value) {
   sum.w += value.w;
 }
 
+// Threads one SM holds on the architecture this pass compiles for (sm_86, sm_87, sm_89 and sm_120 hold
+// 1536, the others we build for 2048): an instantiation's blocks per SM are capped to fit.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890 || \
+                               (__CUDA_ARCH__ >= 1200 && __CUDA_ARCH__ < 1300))
+inline constexpr int kSmThreads = 1536;
+#else
+inline constexpr int kSmThreads = 2048;
+#endif
+constexpr int fitting_blocks_per_sm(int blocks, int threads) {
+  return blocks * threads <= kSmThreads ? blocks : kSmThreads / threads;
+}
+
 // kSplitsInFlight: a thread's partial loads in flight together; kBlocksPerSm: the blocks per SM the
 // instantiation is compiled for (its register budget, 65536 / (blocks × threads)); kFewSplits: the
 // caller guarantees num_splits <= kMergeGroups, so a wide thread's merge groups hold one split each (the
 // same order with less bookkeeping).
 template <int kDv, int kLanes, int kGroups, int kSplitsInFlight, int kBlocksPerSm, bool kFewSplits>
-__global__ void __launch_bounds__(kLanes * kGroups, kBlocksPerSm)
+__global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlocksPerSm, kLanes * kGroups))
     combine_splits_kernel(const __grid_constant__ CombineParams p) {
   constexpr int kThreads = kLanes * kGroups;
   constexpr bool kOneSplitPerGroup = kGroups == 1 && kFewSplits;
