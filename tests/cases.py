@@ -227,3 +227,23 @@ def make_case(rng, key: str, *, num_tokens: int = 3, num_heads: int = 4, topk: i
             extra_indices=random_indices(rng, num_tokens, extra_topk, extra_cache.num_slots, invalid_fraction),
             extra_topk_length=extra_length)
     return case.poison_unused() if poison else case
+
+
+EMPTY_ROWS = 5  # rows of empty_rows_case without a valid candidate
+
+
+def empty_rows_case(rng, key: str, *, num_tokens: int, attn_sink=None) -> AttentionCase:
+    """A case (topk 6, 3 heads) whose first EMPTY_ROWS rows have no valid candidate: rows 0-2 by junk
+    indices (-1, past the cache, every invalid kind), rows 3 and 4 by lengths <= 0 over valid indices;
+    later rows keep their 6 candidates. Unused slots are poisoned."""
+    assert num_tokens >= EMPTY_ROWS
+    case = make_case(rng, key, num_tokens=num_tokens, num_heads=3, topk=6, page_size=4, topk_length=None,
+                     attn_sink=attn_sink, poison=False)
+    num_slots = case.main.num_slots
+    indices = case.indices.copy()
+    indices[0] = -1
+    indices[1] = num_slots + np.arange(6)
+    indices[2] = [-7, num_slots, -1, INT32_MIN, INT32_MAX, -2]
+    topk_length = np.full(num_tokens, 6, np.int32)
+    topk_length[3:EMPTY_ROWS] = [0, -3]
+    return dataclasses.replace(case, indices=indices, topk_length=topk_length).poison_unused()

@@ -277,17 +277,8 @@ def test_sinks_finite_infinite_and_absent(rng, impl, key):
 def test_empty_rows(rng, impl, key, with_sink):
     """Rows without a valid candidate (junk indices, lengths <= 0) give zero gradients, except through a
     finite sink, where lse = sink: d_sink gets d_lse."""
-    num_heads = 3
-    sink = rng.standard_normal(num_heads).astype(np.float32) if with_sink else None
-    case = make_case(rng, key, num_tokens=6, num_heads=num_heads, topk=6, page_size=4, topk_length=None,
-                     attn_sink=sink, poison=False)
-    num_slots = case.main.num_slots
-    indices = case.indices.copy()
-    indices[0] = -1
-    indices[1] = num_slots + np.arange(6)
-    indices[2] = [-7, num_slots, -1, cases.INT32_MIN, cases.INT32_MAX, -2]
-    topk_length = np.array([6, 6, 6, 0, -3, 6], np.int32)  # rows 3 and 4: valid indices, but no candidates
-    case = dataclasses.replace(case, indices=indices, topk_length=topk_length).poison_unused()
+    sink = rng.standard_normal(3).astype(np.float32) if with_sink else None
+    case = cases.empty_rows_case(rng, key, num_tokens=cases.EMPTY_ROWS + 1, attn_sink=sink)  # row 5 valid
     d_out, d_lse = random_cotangents(rng, case)
     _, _, grads = library_vjp(case, impl, d_out, d_lse)
     ref = case_vjp(case, d_out, d_lse)

@@ -112,17 +112,8 @@ def test_invalid_indices_are_masked(rng, impl, key, kind):
 @pytest.mark.parametrize("key", ["glm_nsa", "dsv4", "bf16_576", "dsv4_1_fp4"])
 def test_empty_rows(rng, impl, key, with_sink):
     """Rows with no valid candidate: out = 0 and lse = -inf, or lse = sink with a sink."""
-    num_heads = 3
-    sink = rng.standard_normal(num_heads).astype(np.float32) if with_sink else None
-    case = make_case(rng, key, num_tokens=5, num_heads=num_heads, topk=6, page_size=4, topk_length=None,
-                     attn_sink=sink, poison=False)
-    num_slots = case.main.num_slots
-    indices = case.indices.copy()
-    indices[0] = -1
-    indices[1] = num_slots + np.arange(6)
-    indices[2] = [-7, num_slots, -1, cases.INT32_MIN, cases.INT32_MAX, -2]
-    topk_length = np.array([6, 6, 6, 0, -3], np.int32)  # rows 3 and 4: valid indices, but no candidates
-    case = dataclasses.replace(case, indices=indices, topk_length=topk_length).poison_unused()
+    sink = rng.standard_normal(3).astype(np.float32) if with_sink else None
+    case = cases.empty_rows_case(rng, key, num_tokens=cases.EMPTY_ROWS, attn_sink=sink)
     out, lse, *_ = case.check(impl)
     assert np.all(out.astype(np.float32) == 0)
     want = np.broadcast_to(sink if with_sink else -np.inf, lse.shape)
