@@ -11,6 +11,10 @@
 #   bash benchmarks/gpu_session.sh release        # build + benchmark grid + full tier + planner sweep
 #   bash benchmarks/gpu_session.sh sweep          # build + calibrate + planner sweep
 #   bash benchmarks/gpu_session.sh multi          # build + the multi-GPU sharding tests + bench_sharded.py
+#   JSMLA_WHEEL=dist/<wheel> bash benchmarks/gpu_session.sh wheel
+#                                                 # no build: the given wheel installed with nvcc off PATH,
+#                                                 # the GPU smoke tier, the example's decode-step benchmark
+#                                                 # (its pure-Python needs from $JSMLA_EXTRA_WHEELS, if set)
 #   bash benchmarks/gpu_session.sh compare        # build (+ FlashMLA) + smoke tier + standalone check + the
 #                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
 #
@@ -33,7 +37,20 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 # JSMLA_SESSION_SKIP_BUILD=1: a second mode in the same machine session reuses the installed build.
-if [ "${JSMLA_SESSION_SKIP_BUILD:-0}" != 1 ] && \
+if [ "$mode" = wheel ]; then
+  # The wheel must load without a CUDA toolkit: nvcc is taken off PATH before it is installed and used.
+  kept=""
+  IFS=: read -ra path_dirs <<< "$PATH"
+  for d in "${path_dirs[@]}"; do [ -x "$d/nvcc" ] || kept="${kept:+$kept:}$d"; done
+  export PATH="$kept" CUDACXX=/nonexistent
+  if command -v nvcc > /dev/null; then echo "nvcc still on PATH: $(command -v nvcc)"; exit 1; fi
+  python3 -m pip install --no-deps --force-reinstall "$repo/${JSMLA_WHEEL:?JSMLA_WHEEL names the wheel}" \
+    > "$out/build.log" 2>&1 || { tail -20 "$out/build.log"; echo "WHEEL INSTALL FAILED"; exit 1; }
+  if [ -n "${JSMLA_EXTRA_WHEELS:-}" ]; then
+    python3 -m pip install --no-deps --no-index "$repo/$JSMLA_EXTRA_WHEELS"/*.whl >> "$out/build.log" 2>&1 || true
+  fi
+  tail -1 "$out/build.log"
+elif [ "${JSMLA_SESSION_SKIP_BUILD:-0}" != 1 ] && \
    ! JSMLA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps -v \
     "$repo" -Ccmake.define.CMAKE_CUDA_ARCHITECTURES="$archs" > "$out/build.log" 2>&1; then
   tail -60 "$out/build.log"
@@ -136,6 +153,12 @@ case "$mode" in
     timeout "${JSMLA_BENCH_TIMEOUT:-300}" python3 "$repo/benchmarks/bench.py" ${JSMLA_BENCH_ARGS:-} --out_dir "$out" \
       > "$out/bench.log" 2>&1 || status=1
     tail -30 "$out/bench.log"
+    ;;
+  wheel)
+    run_tests -m "gpu and not gpu_full" || status=1
+    timeout "${JSMLA_BENCH_TIMEOUT:-300}" python3 "$repo/examples/deepseek_v32/bench_decode.py" ${JSMLA_EXAMPLE_ARGS:-} \
+      --json "$out/example_decode.json" > "$out/example_decode.log" 2>&1 || status=1
+    tail -12 "$out/example_decode.log"
     ;;
   multi)
     python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_multi_gpu.py" 2>&1 | tee "$out/multi.log" | tail -8
