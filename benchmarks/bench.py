@@ -86,11 +86,52 @@ def baseline_attention(q, cache_rows, indices, sm_scale, kv_format):
         k = jnp.concatenate([nope.astype(jnp.bfloat16), rope], axis=-1)
         v = k
     else:
-        raise ValueError(f"no baseline for {kv_format}")
+        k, v, indices = generic_baseline_rows(cache_rows, indices, kv_format)
     scores = jnp.einsum("thd,tkd->thk", q, k, preferred_element_type=jnp.float32) * sm_scale
     scores = jnp.where((indices >= 0)[:, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("thk,tkd->thd", probs.astype(jnp.bfloat16), v, preferred_element_type=jnp.float32)
+
+
+def generic_baseline_rows(cache_rows, indices, kv_format):
+    """K and V rows of the other formats, dequantized in JAX from the format's byte layout (inline FP32
+    scales, or footer UE8M0 / E4M3 scales over FP8 or FP4 lanes), and the indices past the format's
+    candidate window masked. Added beside the two frozen formats above, which it leaves unchanged."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_sparse_mla as jsm
+
+    f = jsm.get_format(kv_format)
+    if f.max_candidates:
+        indices = jnp.where(jnp.arange(indices.shape[-1]) < f.max_candidates, indices, -1)
+    idx = jnp.maximum(indices, 0)
+    if f.layout.name == "INLINE":
+        rows = cache_rows[idx]
+        scale_bytes = rows[..., f.scale_offset:f.scale_offset + 4 * f.num_groups].reshape(*rows.shape[:-1], -1, 4)
+        scales = jax.lax.bitcast_convert_type(scale_bytes, jnp.float32)
+    else:
+        data, scale_rows = cache_rows
+        rows, srows = data[idx], scale_rows[idx][..., :f.num_groups]
+        if f.scale_kind.name == "UE8M0":
+            scales = jax.lax.bitcast_convert_type(srows.astype(jnp.uint32) << 23, jnp.float32)
+        else:  # E4M3
+            scales = jax.lax.bitcast_convert_type(srows, jnp.float8_e4m3fn).astype(jnp.float32)
+    packed = rows[..., :f.quant_bytes]
+    if f.quant_bits == 4:
+        e2m1 = jnp.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], jnp.float32)
+        nibbles = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], f.quant_dim)
+        quant = e2m1[nibbles]
+    else:
+        quant = jax.lax.bitcast_convert_type(packed, jnp.float8_e4m3fn).astype(jnp.float32)
+    quant = (quant.reshape(*rows.shape[:-1], f.num_groups, f.group_size) * scales[..., None]).reshape(
+        *rows.shape[:-1], f.quant_dim)
+    parts = [quant.astype(jnp.bfloat16)]
+    if f.bf16_dim:
+        bf16_bytes = rows[..., f.bf16_offset:f.bf16_offset + 2 * f.bf16_dim].reshape(*rows.shape[:-1], f.bf16_dim, 2)
+        parts.append(jax.lax.bitcast_convert_type(bf16_bytes, jnp.bfloat16))
+    k = jnp.concatenate(parts, axis=-1)
+    return k, k[..., :f.d_v], indices
 
 
 def baseline_in_chunks(q, cache_rows, indices, sm_scale, kv_format, chunk_tokens):
@@ -112,12 +153,18 @@ def baseline_in_chunks(q, cache_rows, indices, sm_scale, kv_format, chunk_tokens
 
 
 def baseline_view(cache, kv_format, page_size):
-    """The baseline's own view of the cache bytes."""
-    if kv_format == "dsv3_2":
-        return cache.reshape(-1, 656)
+    """The baseline's own view of the cache bytes: [slots, row bytes] for inline rows, (data rows, scale
+    rows) for page footers; None for bf16 caches (no baseline)."""
+    import jax_sparse_mla as jsm
+
+    f = jsm.get_format(kv_format)
+    if f.layout.name == "INLINE":
+        return cache.reshape(-1, f.data_row_bytes)
+    if f.layout.name != "FOOTER":
+        return None
     pages = cache.reshape(cache.shape[0], -1)
-    data = pages[:, : page_size * 576].reshape(-1, 576)
-    scales = pages[:, page_size * 576:].reshape(-1, 8)
+    data = pages[:, : page_size * f.data_row_bytes].reshape(-1, f.data_row_bytes)
+    scales = pages[:, page_size * f.data_row_bytes:].reshape(-1, f.scale_row_bytes)
     return data, scales
 
 

@@ -382,20 +382,24 @@ def test_supported_configs_and_check_supported_list_the_dual_pairs():
     assert configs["dsv4_1"]["extra_formats"] == ["dsv4_1", "dsv4_1_fp4"]
     assert configs["dsv4_nvfp4"]["extra_formats"] == ["dsv4_nvfp4"]
     assert configs["dsv3_2"]["extra_formats"] == []
-    assert configs["dsv4_nvfp4"]["platforms"]["cuda"]["variants"] == []
-    assert configs["dsv4"]["platforms"]["cuda"]["variants"] == ["decode", "prefill"]
+    for key in ("dsv4", "dsv4_nvfp4", "dsv4_1_fp4"):
+        assert configs[key]["platforms"]["cuda"]["variants"] == ["decode", "prefill"], key
     jsm.check_supported("dsv4_1", extra_kv_format="dsv4_1_fp4")
     with pytest.raises(ValueError, match=r"extra_kv_format='dsv4_1_fp4' \(allowed \['dsv4', 'dsv4_nvfp4'\]\)"):
         jsm.check_supported("dsv4", extra_kv_format="dsv4_1_fp4")
-    with pytest.raises(ValueError, match="platform='cuda' for dsv4_nvfp4"):
-        jsm.check_supported("dsv4_nvfp4", platform="cuda")
+    jsm.check_supported("dsv4_nvfp4", platform="cuda")
     jsm.check_supported("dsv4_nvfp4", platform="cpu")
 
 
-def test_fp4_and_mixed_pairs_have_no_cuda_plan(monkeypatch):
-    with pytest.raises(ValueError, match="kv_format: 'dsv4_nvfp4' has no CUDA kernel yet"):
-        jsm.plan((1, 16, 512), "dsv4_nvfp4", 64, platform="cuda")
-    assert jsm.plan((1, 16, 512), "dsv4_nvfp4", 64, platform="cpu").variant == "reference"
+@pytest.mark.parametrize("key", ["dsv4_nvfp4", "dsv4_1_fp4"])
+def test_fp4_formats_plan_for_cuda(key):
+    p = jsm.plan((1, 16, 512), key, 2048, platform="cuda")
+    assert p.variant == "decode" and p.heads_per_block == 16 and p.num_splits > 1
+    assert "family=hopper" in jsm.plan((64, 128, 512), key, 2048, platform="cuda").describe()
+    assert jsm.plan((1, 16, 512), key, 64, platform="cpu").variant == "reference"
+
+
+def test_mixed_pairs_have_no_cuda_plan(monkeypatch):
     from jax_sparse_mla import api
 
     q, main, idx, extra, extra_idx = _dual_operands("dsv4_1", "dsv4_1_fp4")
@@ -403,8 +407,6 @@ def test_fp4_and_mixed_pairs_have_no_cuda_plan(monkeypatch):
     with pytest.raises(ValueError, match="extra_kv_format: an extra cache in 'dsv4_1_fp4' beside a 'dsv4_1' main"):
         jax.eval_shape(lambda q: jsm.sparse_mla(q, main, idx, kv_format="dsv4_1", sm_scale=0.1, extra_kv_cache=extra,
                                                 extra_indices=extra_idx, extra_kv_format="dsv4_1_fp4"), q)
-    fp4 = jnp.zeros((2, 4, 288), jnp.uint8)
-    with pytest.raises(ValueError, match="kv_format: 'dsv4_1_fp4' has no CUDA kernel yet"):
-        jax.eval_shape(lambda q: jsm.sparse_mla(q, fp4, idx, kv_format="dsv4_1_fp4", sm_scale=0.1), q)
-    out = jax.eval_shape(lambda q: jsm.sparse_mla(q, fp4, idx, kv_format="dsv4_1_fp4", sm_scale=0.1, impl="xla"), q)
+    out = jax.eval_shape(lambda q: jsm.sparse_mla(q, main, idx, kv_format="dsv4_1", sm_scale=0.1, extra_kv_cache=extra,
+                                                  extra_indices=extra_idx, extra_kv_format="dsv4_1_fp4", impl="xla"), q)
     assert out[0].shape == (2, 3, 512)

@@ -31,9 +31,8 @@ def test_every_table_entry_is_consistent():
 
 
 def test_every_format_with_cuda_kernels_has_a_small_and_a_large_portable_tile():
-    fp4 = {key for key, f in jsm.FORMATS.items() if f.quant_bits == 4}  # no CUDA loader yet
-    assert set(kernel_tables.HEAD_TILES) == set(jsm.FORMATS) - fp4
-    assert all(kernel_tables.has_cuda_kernels(key) != (key in fp4) for key in jsm.FORMATS)
+    assert set(kernel_tables.HEAD_TILES) == set(jsm.FORMATS)
+    assert all(kernel_tables.has_cuda_kernels(key) for key in jsm.FORMATS)
     for key, tiles in kernel_tables.HEAD_TILES.items():
         assert tiles[0] == 16 and len(tiles) == 2 and tiles[1] in (32, 64), (key, tiles)
 
@@ -70,10 +69,12 @@ def test_hopper_kernels_serve_portable_plans():
 
 
 def test_hopper_formats_are_the_576_and_512_wide_formats_without_arbitrary_scales():
-    # scale_kind 0: no scales (bf16 rows); pow2_scales: power-of-two FP32 or UE8M0 scales.
+    # scale_kind 1: FP32 scales, served only when they are powers of two (pow2_scales); the others (none,
+    # UE8M0, E4M3 for FP4) are applied exactly in BF16.
     served = {fmt for fmt, _ in kernel_tables.HOPPER_KERNELS}
     expected = {key for key, f in jsm.FORMATS.items()
-                if f.d_qk in (512, 576) and f.d_v == 512 and f.quant_bits != 4 and (f.scale_kind == 0 or f.pow2_scales)}
+                if f.d_qk in (512, 576) and f.d_v == 512 and (f.scale_kind != 1 or f.pow2_scales)}
+    assert {"dsv4_nvfp4", "dsv4_1_fp4"} <= served
     assert served == expected
 
 

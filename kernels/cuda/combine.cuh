@@ -118,12 +118,14 @@ __global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlock
   const int column = blockIdx.y * kColumns + 4 * lane;  // this thread's float4 of the slice
   uint2* const out = reinterpret_cast<uint2*>(p.out + row * kDv + column);
 
-  wait_for_prerequisite_grid();
+  // A padding row depends on nothing the split kernel writes (valid_tokens is an input, and decode
+  // splits never write out/lse): it is written before waiting for the split kernel's results.
   if (token >= valid_token_count(p.valid_tokens, p.num_tokens)) {
     if (group == 0) *out = make_uint2(0, 0);
     if (blockIdx.y == 0 && threadIdx.x == 0) p.lse[row] = -INFINITY;
     return;
   }
+  wait_for_prerequisite_grid();
 
   // The thread's splits in summation order, kSplitsInFlight at a time. The first batch is loaded
   // before the weights are known (the loads overlap the lse reduction below): every split writes its

@@ -38,9 +38,8 @@ INSTANCES = {
     "dots3_swa": ("kDots3Swa", {"portable": (16, 32)}),
     "bf16_576": ("kBf16_576", {"portable": (16, 64), "hopper": (64,)}),
     "bf16_512": ("kBf16_512", {"portable": (16, 64), "hopper": (64,)}),
-    # FP4 caches: no CUDA loader yet (the CPU kernel and impl="xla" serve them).
-    "dsv4_nvfp4": ("kDsv4Nvfp4", {}),
-    "dsv4_1_fp4": ("kDsv41Fp4", {}),
+    "dsv4_nvfp4": ("kDsv4Nvfp4", {"portable": (16, 64), "hopper": (64,)}),
+    "dsv4_1_fp4": ("kDsv41Fp4", {"portable": (16, 64), "hopper": (64,)}),
 }
 
 #: Per family: the X-macro name, the kernel header, the namespace and the config template of one instance.

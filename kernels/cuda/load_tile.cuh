@@ -3,9 +3,10 @@
 //
 // Two steps per tile, both done by every thread of the block on the same bytes, so a thread only
 // ever reads staging bytes its own cp.async wrote (no barrier between landing and conversion):
-//   issue():   16-byte cp.async of the row's payload (FP8 lanes, then BF16 lanes) into a staging
+//   issue():   16-byte cp.async of the row's payload (quantized lanes, then BF16 lanes) into a staging
 //              row, plus the row's scale record into the thread's private scale slot;
-//   convert(): staging → BF16 tile row, FP8 × scale computed in FP32 and rounded to BF16 once; a
+//   convert(): staging → BF16 tile row, FP8 × scale computed in FP32 and rounded to BF16 once, FP4 ×
+//              E4M3 scale computed exactly in BF16 (a product of a 2-bit and a 4-bit significand); a
 //              masked row is zero-filled and its payload never read.
 // Arbitrary FP32 scales (kExactScales: glm_*) are never rounded to 16 bits: a scale s = 2^e · m
 // (m in [1, 2)) is split, the tile holds FP8 × 2^e (exact in BF16), and the kernel applies the
@@ -31,8 +32,8 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   using Geometry::kExactScales;
   using Geometry::kF;
   using Geometry::kFactorFloats;
-  using Geometry::kFp8Units;
   using Geometry::kNumGroups;
+  using Geometry::kQuantUnits;
   using Geometry::kScaleRecordBytes;
   using Geometry::kThreadsPerRow;
   using Geometry::kUnits;
@@ -47,15 +48,18 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
       const int unit = sub + i * kThreadsPerRow;
       if (unit < kUnits) {
         const uint8_t* source =
-            unit < kFp8Units ? row + 16 * unit : row + kF.bf16_offset + 16 * (unit - kFp8Units);
+            unit < kQuantUnits ? row + 16 * unit : row + kF.bf16_offset + 16 * (unit - kQuantUnits);
         cp_async_16(staged_row + 16 * unit, source);
       }
     }
     constexpr FormatTraits format = kF;  // a device-side copy: CacheView takes the traits by reference
-    if constexpr (kScaleRecordBytes == 16) {
-      cp_async_16(scale_slot, cache.scales(format, slot));
-    } else if constexpr (kScaleRecordBytes == 8) {
+    if constexpr (kScaleRecordBytes == 8) {
       cp_async_8(scale_slot, cache.scales(format, slot));
+    } else {
+#pragma unroll
+      for (int offset = 0; offset < kScaleRecordBytes; offset += 16) {
+        cp_async_16(scale_slot + offset, cache.scales(format, slot) + offset);
+      }
     }
   }
 
@@ -75,48 +79,54 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
     for (int i = 0; i < kUnitsPerThread; ++i) {
       const int unit = sub + i * kThreadsPerRow;
       if (unit >= kUnits) continue;
-      if constexpr (kFp8Units > 0) {
-        if (unit < kFp8Units) {
+      if constexpr (kQuantUnits > 0) {
+        if (unit < kQuantUnits) {
           if (!valid) {
-            store(16 * unit, make_uint4(0, 0, 0, 0));
-            store(16 * unit + 8, make_uint4(0, 0, 0, 0));
+            store_zero_quant_unit(unit, store);
             continue;
           }
-          convert_fp8_unit(*reinterpret_cast<const uint4*>(staged_row + 16 * unit), scale_slot, unit, store);
+          convert_quant_unit(*reinterpret_cast<const uint4*>(staged_row + 16 * unit), scale_slot, unit, store);
           continue;
         }
       }
-      store(kF.quant_dim + 8 * (unit - kFp8Units),
+      store(kF.quant_dim + 8 * (unit - kQuantUnits),
             valid ? *reinterpret_cast<const uint4*>(staged_row + 16 * unit) : make_uint4(0, 0, 0, 0));
     }
   }
 
+  // Every thread of a row converts the same units of each kind (its quantized units come first).
+  static constexpr bool kUniformUnits = kUnits % kThreadsPerRow == 0 && kQuantUnits % kThreadsPerRow == 0;
+
   // convert_into for a thread that owns a whole row's worth of units and spare registers: the valid
   // test and the choice of FP8 conversion (bit_path_scale for all of the thread's groups) are made
   // once, and the staged units are loaded kBatch at a time before they are converted (no branch
-  // between them), so their shared-memory loads are in flight together.
+  // between them), so their shared-memory loads are in flight together. Where the row's units do not
+  // divide evenly between its threads (dsv4_nvfp4: 14 FP4 + 8 BF16 units), it is convert_into.
   template <int kBatch, class Store>
   static JSMLA_DEVICE void convert_batched(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot, int sub,
                                            Store&& store) {
-    static_assert(kUnits % kThreadsPerRow == 0 && kFp8Units % kThreadsPerRow == 0,
-                  "every thread converts the same units of each kind (decided at compile time)");
-    constexpr int kFp8PerThread = kFp8Units / kThreadsPerRow;
+    if constexpr (!kUniformUnits) {
+      convert_into(valid, staged_row, scale_slot, sub, store);
+      return;
+    }
+    constexpr int kFp8PerThread = kQuantUnits / kThreadsPerRow;
     if (!valid) {
 #pragma unroll
       for (int i = 0; i < kUnitsPerThread; ++i) {
         const int unit = sub + i * kThreadsPerRow;
         if (i < kFp8PerThread) {
-          store(16 * unit, make_uint4(0, 0, 0, 0));
-          store(16 * unit + 8, make_uint4(0, 0, 0, 0));
+          store_zero_quant_unit(unit, store);
         } else {
-          store(kF.quant_dim + 8 * (unit - kFp8Units), make_uint4(0, 0, 0, 0));
+          store(kF.quant_dim + 8 * (unit - kQuantUnits), make_uint4(0, 0, 0, 0));
         }
       }
       return;
     }
-    bool bit_path = true;
+    bool bit_path = kF.quant_bits == 8;  // (FP4 has one exact conversion)
+    if constexpr (kF.quant_bits == 8) {
 #pragma unroll
-    for (int i = 0; i < kFp8PerThread; ++i) bit_path &= bit_path_scale(unit_scale(scale_slot, sub + i * kThreadsPerRow));
+      for (int i = 0; i < kFp8PerThread; ++i) bit_path &= bit_path_scale(unit_scale(scale_slot, sub + i * kThreadsPerRow));
+    }
     if (bit_path) {
       convert_staged<kBatch, true>(staged_row, scale_slot, sub, store);
     } else {
@@ -155,7 +165,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   // The staged units of convert_batched, kBatch loads at a time, all FP8 units on one path.
   template <int kBatch, bool kBitPath, class Store>
   static JSMLA_DEVICE void convert_staged(const uint8_t* staged_row, const uint8_t* scale_slot, int sub, Store& store) {
-    constexpr int kFp8PerThread = kFp8Units / kThreadsPerRow;
+    constexpr int kFp8PerThread = kQuantUnits / kThreadsPerRow;
 #pragma unroll
     for (int first = 0; first < kUnitsPerThread; first += kBatch) {
       uint4 staged[kBatch];
@@ -171,15 +181,38 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
         if (i >= kUnitsPerThread) continue;
         const int unit = sub + i * kThreadsPerRow;
         if (i < kFp8PerThread) {
-          dequantize_fp8_unit<kBitPath>(staged[j], unit_scale(scale_slot, unit), unit, store);
+          if constexpr (kF.quant_bits == 4) {
+            dequantize_fp4_unit(staged[j], scale_slot, unit, store);
+          } else {
+            dequantize_fp8_unit<kBitPath>(staged[j], unit_scale(scale_slot, unit), unit, store);
+          }
         } else {
-          store(kF.quant_dim + 8 * (unit - kFp8Units), staged[j]);
+          store(kF.quant_dim + 8 * (unit - kQuantUnits), staged[j]);
         }
       }
     }
   }
 
-  // Stores the 16 dequantized values of FP8 unit `unit` (K lanes [16 unit, 16 unit + 16)).
+  // Zeros for the K lanes of quantized unit `unit`.
+  template <class Store>
+  static JSMLA_DEVICE void store_zero_quant_unit(int unit, Store& store) {
+#pragma unroll
+    for (int half = 0; half < Geometry::kValuesPerQuantUnit / 8; ++half) {
+      store(Geometry::kValuesPerQuantUnit * unit + 8 * half, make_uint4(0, 0, 0, 0));
+    }
+  }
+
+  // Stores the dequantized values of quantized unit `unit` (FP8: K lanes [16 unit, 16 unit + 16); FP4:
+  // [32 unit, 32 unit + 32)).
+  template <class Store>
+  static JSMLA_DEVICE void convert_quant_unit(uint4 packed, const uint8_t* scale_slot, int unit, Store& store) {
+    if constexpr (kF.quant_bits == 4) {
+      dequantize_fp4_unit(packed, scale_slot, unit, store);
+    } else {
+      convert_fp8_unit(packed, scale_slot, unit, store);
+    }
+  }
+
   template <class Store>
   static JSMLA_DEVICE void convert_fp8_unit(uint4 fp8, const uint8_t* scale_slot, int unit, Store& store) {
     const float scale = unit_scale(scale_slot, unit);
@@ -193,7 +226,8 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   // The scale the tile applies to FP8 unit `unit`: its group's scale (its power-of-two part for
   // kExactScales).
   static JSMLA_DEVICE float unit_scale(const uint8_t* scale_slot, int unit) {
-    static_assert(kFp8Units == 0 || kF.group_size > 0, "FP8 lanes come in scale groups");
+    static_assert(kQuantUnits == 0 || kF.group_size > 0, "FP8 lanes come in scale groups");
+    static_assert(kF.quant_bits != 4, "an FP4 unit spans two scale groups (dequantize_fp4_unit)");
     const float scale = group_scale_of(scale_slot, kF.group_size > 0 ? (16 * unit) / kF.group_size : 0);
     if constexpr (kExactScales) return power_of_two_part(scale);
     return scale;
@@ -255,9 +289,55 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
     return pair;
   }
 
+  // FP4 unit × its two groups' E4M3 scales → 32 BF16 values (four stores of 8; word w of the unit holds
+  // K lanes [32 unit + 8 w, + 8), in group 2 unit + w / 2). Every e2m1 value times an E4M3 scale is
+  // exact in BF16, so one BF16 multiply gives the FP32 product's bits (NaN scales give NaN).
+  template <class Store>
+  static JSMLA_DEVICE void dequantize_fp4_unit(uint4 fp4, const uint8_t* scale_slot, int unit, Store& store) {
+    const uint32_t low_scale = bf16x2_broadcast_high(__float_as_uint(group_scale_of(scale_slot, 2 * unit)));
+    const uint32_t high_scale = bf16x2_broadcast_high(__float_as_uint(group_scale_of(scale_slot, 2 * unit + 1)));
+    store(32 * unit, fp4x8_to_bf16x8(fp4.x, low_scale));
+    store(32 * unit + 8, fp4x8_to_bf16x8(fp4.y, low_scale));
+    store(32 * unit + 16, fp4x8_to_bf16x8(fp4.z, high_scale));
+    store(32 * unit + 24, fp4x8_to_bf16x8(fp4.w, high_scale));
+  }
+
+  // BF16 bits of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7): their low bytes and
+  // their high bytes, four codes per word (code c in byte c % 4 of word c / 4).
+  static constexpr uint32_t kFp4LowBytes0 = 0xc0800000u, kFp4LowBytes1 = 0xc0804000u;
+  static constexpr uint32_t kFp4HighBytes0 = 0x3f3f3f00u, kFp4HighBytes1 = 0x40404040u;
+
+  // The 8 e2m1 values of `word` (value i in nibble i) times the BF16 pair `scale`: the magnitude
+  // codes index the byte tables with prmt, the sign bits are moved to bit 15 of each BF16 lane.
+  static JSMLA_DEVICE uint4 fp4x8_to_bf16x8(uint32_t word, uint32_t scale) {
+    uint32_t pairs[4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t codes = (word >> (16 * half)) & 0x7777u;  // four magnitude codes as prmt selectors
+      uint32_t low, high;
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(low) : "r"(kFp4LowBytes0), "r"(kFp4LowBytes1), "r"(codes));
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(high) : "r"(kFp4HighBytes0), "r"(kFp4HighBytes1), "r"(codes));
+      const uint32_t nibbles = word >> (16 * half);
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {
+        uint32_t magnitudes;  // BF16 lanes (value 2 pair, value 2 pair + 1): bytes low, high, low, high
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(magnitudes) : "r"(low), "r"(high), "r"(pair == 0 ? 0x5140u : 0x7362u));
+        // Sign of value 2 pair at nibble bit 3 + 8 pair → bit 15; of value 2 pair + 1 at bit 7 + 8 pair → 31.
+        const uint32_t signs = ((nibbles >> (8 * pair)) << 12 & 0x8000u) | ((nibbles >> (8 * pair)) << 24 & 0x80000000u);
+        uint32_t product;
+        // x · s + (-0) is exactly the product, signed zeros included.
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(product) : "r"(magnitudes | signs), "r"(scale), "r"(0x80008000u));
+        pairs[2 * half + pair] = product;
+      }
+    }
+    return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+  }
+
   static JSMLA_DEVICE float group_scale_of(const uint8_t* scale_slot, int group) {
     if constexpr (kF.scale_kind == ScaleKind::kFp32) {
       return reinterpret_cast<const float*>(scale_slot)[group];
+    } else if constexpr (kF.scale_kind == ScaleKind::kE4m3) {
+      return fp8_e4m3_to_float(scale_slot[group]);
     } else {
       return ue8m0_to_float(scale_slot[group]);
     }

@@ -15,12 +15,9 @@ constexpr int scale_record_bytes(const FormatTraits& f) {
   return f.layout == Layout::kFooter ? f.scale_row_bytes : f.num_groups * f.scale_bytes();
 }
 
-// Bytes one thread's private scale slot holds (the largest record of any format).
-inline constexpr int kScaleSlotBytes = 16;
-
 // Thread `tid` of kThreads loader threads owns row tid / kThreadsPerRow of a kCandidateTile-row tile and
-// units sub, sub + kThreadsPerRow, ... of it, where a unit is 16 staged bytes (16 FP8 values or 8 BF16
-// values).
+// units sub, sub + kThreadsPerRow, ... of it, where a unit is 16 staged bytes: 16 FP8 values, 32 FP4
+// values (two per byte) or 8 BF16 values.
 template <FormatId kFormatValue, int kCandidateTileValue, int kThreadsValue>
 struct LoaderGeometry {
   static constexpr FormatId kFormat = kFormatValue;
@@ -28,12 +25,15 @@ struct LoaderGeometry {
   static constexpr int kCandidateTile = kCandidateTileValue;
   static constexpr int kThreads = kThreadsValue;
   static constexpr int kThreadsPerRow = kThreads / kCandidateTile;
-  static constexpr int kFp8Units = kF.quant_dim / 16;
+  static constexpr int kQuantUnits = kF.quant_bytes() / 16;
+  static constexpr int kValuesPerQuantUnit = kF.quant_bits > 0 ? 16 * 8 / kF.quant_bits : 0;
   static constexpr int kBf16Units = kF.bf16_dim * 2 / 16;
-  static constexpr int kUnits = kFp8Units + kBf16Units;
+  static constexpr int kUnits = kQuantUnits + kBf16Units;
   static constexpr int kUnitsPerThread = (kUnits + kThreadsPerRow - 1) / kThreadsPerRow;
   static constexpr int kStagedRowBytes = kUnits * 16;
   static constexpr int kScaleRecordBytes = scale_record_bytes(kF);
+  // One thread's private copy of its row's scale record (whole 16-byte cp.async units).
+  static constexpr int kScaleSlotBytes = (kScaleRecordBytes + 15) / 16 * 16;
   // Scales that are not powers of two: their mantissas are applied in FP32 by the kernel.
   static constexpr bool kExactScales = kF.scale_kind == ScaleKind::kFp32 && !kF.pow2_scales;
   static constexpr int kNumGroups = kF.num_groups;
@@ -44,15 +44,21 @@ struct LoaderGeometry {
   // rows one ldmatrix phase reads fall into 8 different 16-byte bank groups.
   static constexpr int kTilePitch = kF.d_qk + 8;
 
-  static_assert(kF.quant_bits != 4, "FP4 caches have no CUDA loader (the units below are 16 FP8 values)");
+  static_assert(kF.quant_bits == 0 || kF.quant_bits == 8 || kF.quant_bits == 4, "FP8 or FP4 quantized lanes");
   static_assert(kThreads % kCandidateTile == 0, "every tile row needs the same number of loader threads");
-  static_assert(kF.quant_dim % 16 == 0 && (2 * kF.bf16_dim) % 16 == 0, "payload must split into 16-byte units");
+  static_assert(kF.quant_bytes() % 16 == 0 && (2 * kF.bf16_dim) % 16 == 0, "payload must split into 16-byte units");
   static_assert(kF.bf16_offset % 16 == 0, "the BF16 lanes of a row must be 16-byte aligned for cp.async");
   static_assert(kF.layout != Layout::kInline || kF.scale_offset % 16 == 0, "inline scales must be 16-byte aligned");
-  static_assert(kF.group_size == 0 || kF.group_size % 16 == 0, "a 16-value unit must lie inside one scale group");
-  static_assert(kScaleRecordBytes == 0 || kScaleRecordBytes == 8 || kScaleRecordBytes == 16,
-                "scale records are copied with one 8- or 16-byte cp.async");
-  static_assert(kScaleRecordBytes <= kScaleSlotBytes, "scale record must fit the thread's scale slot");
+  // An FP8 unit (16 values) lies inside one scale group; an FP4 unit (32 values) is two words of 8
+  // values per group of 16, each word inside one group.
+  static_assert(kF.group_size == 0 || (kF.quant_bits == 8 && kF.group_size % 16 == 0) ||
+                    (kF.quant_bits == 4 && kF.group_size == 16),
+                "a quantized unit's 8-value words must each lie inside one scale group");
+  static_assert(kF.quant_bits != 4 || (kF.scale_kind == ScaleKind::kE4m3 && kF.layout == Layout::kFooter),
+                "FP4 lanes carry E4M3 group scales in a footer scale row");
+  static_assert(kScaleRecordBytes == 0 || kScaleRecordBytes == 8 || kScaleRecordBytes % 16 == 0,
+                "scale records are copied with one 8-byte or whole 16-byte cp.async units");
+  static_assert(kScaleSlotBytes <= 32, "a scale slot is at most two 16-byte units (shared-memory budgets)");
   static_assert(!kExactScales || (kF.layout == Layout::kInline && kScaleRecordBytes == 4 * kNumGroups),
                 "exact FP32 scales: every group's scale is in the thread's scale slot");
   static_assert((kTilePitch * 2) % 16 == 0 && ((kTilePitch * 2) / 16) % 8 == 1,

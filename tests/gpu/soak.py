@@ -61,7 +61,7 @@ class Watchdog:
 
 
 def gpu_formats():
-    """The formats whose plans compile for the CUDA backend (FP4 formats are refused at trace time)."""
+    """The formats whose plans compile for the CUDA backend (every format with CUDA kernels)."""
     served = []
     for key in jsm.FORMATS:
         fmt = jsm.get_format(key)

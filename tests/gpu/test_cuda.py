@@ -28,9 +28,10 @@ import oracle  # noqa: E402
 import jax_sparse_mla as jsm  # noqa: E402
 from jax_sparse_mla import _ffi, kernel_tables, planner, validate  # noqa: E402
 
-#: The formats the CUDA kernels serve; the others (FP4) are refused on the GPU at trace time.
+#: The formats the CUDA kernels serve (every format; the kernel tables say so).
 FORMATS = [key for key in jsm.FORMATS if kernel_tables.has_cuda_kernels(key)]
-NO_CUDA_FORMATS = [key for key in jsm.FORMATS if not kernel_tables.has_cuda_kernels(key)]
+#: The formats with a Hopper kernel (64-head tiles on sm_90).
+HOPPER_FORMATS = sorted({key for key, _ in kernel_tables.HOPPER_KERNELS})
 VARIANTS = ("decode", "prefill")
 gpu = pytest.mark.gpu
 gpu_full = pytest.mark.gpu_full
@@ -56,13 +57,17 @@ def test_every_format_matches_oracle_sanitize(rng, key, impl):
 
 
 @gpu
-@pytest.mark.parametrize("impl", VARIANTS + ("auto",))
-@pytest.mark.parametrize("key", NO_CUDA_FORMATS)
-def test_format_without_cuda_kernel_is_refused_and_runs_with_xla(rng, key, impl):
-    case = cases.make_case(rng, key, num_tokens=5, num_heads=16, topk=40)
-    with pytest.raises(ValueError, match=f"kv_format: '{key}' has no CUDA kernel yet.*impl='xla'"):
-        case.run(impl)
-    case.check("xla")
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("key", HOPPER_FORMATS)
+def test_hopper_formats_match_oracle_sanitize(rng, key, impl):
+    """Two 64-head tiles (the Hopper family on an sm_90 GPU, the portable one elsewhere), a ragged
+    candidate list with masked slots and a sink."""
+    tokens, topk = (3, 512) if impl == "decode" else (32, 128)
+    assert jsm.plan((tokens, 128, jsm.get_format(key).d_qk), key, topk, platform="cuda",
+                    impl=impl).heads_per_block == 64
+    case = cases.make_case(rng, key, num_tokens=tokens, num_heads=128, topk=topk,
+                           attn_sink=rng.standard_normal(128).astype(np.float32))
+    case.check(impl)
 
 
 @gpu
@@ -82,7 +87,7 @@ def test_topk_widths_dsv3_2(rng, topk, impl):
 
 @gpu
 @pytest.mark.parametrize("impl", VARIANTS)
-@pytest.mark.parametrize("key", ["dsv4", "dsv4_1"])
+@pytest.mark.parametrize("key", ["dsv4", "dsv4_1", "dsv4_nvfp4", "dsv4_1_fp4"])
 def test_dual_cache_sanitize(rng, key, impl):
     case = cases.make_case(rng, key, num_tokens=4, num_heads=16, topk=33, page_size=64,
                            extra={"page_size": 2, "topk": 45, "cache_tokens": 101},

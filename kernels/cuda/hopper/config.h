@@ -4,7 +4,7 @@
 //
 // Block = (token, 64-head tile, split), 3 warpgroups:
 //   warpgroup 0, the producer: gathers candidate rows with cp.async into a two-stage staging area and
-//     converts them (FP8 × scale → BF16, or BF16 copies) into a two-buffer BF16 KV tile in the
+//     converts them (FP8 or FP4 × scale → BF16, or BF16 copies) into a two-buffer BF16 KV tile in the
 //     128-byte swizzled layout wgmma reads;
 //   warpgroups 1 and 2, the consumers: each computes a partial S = Q·Kᵀ for all 64 heads and the
 //     tile's 32 candidates over its half of d_qk (wgmma m64n32k16, Q and K from shared memory), the two
@@ -23,12 +23,11 @@ namespace jsmla::cuda::hopper {
 // Shared memory per block on sm_90 (opt-in maximum).
 inline constexpr int kMaxSharedBytes = 227 * 1024;
 
-// Formats the family serves: 512/576-wide FP8 or BF16 rows with power-of-two or no scales (arbitrary
-// FP32 scales and the 1088-wide rows stay on the portable family; FP4 caches have no CUDA loader).
+// Formats the family serves: 512/576-wide FP8, FP4 or BF16 rows with power-of-two, E4M3 or no scales
+// (arbitrary FP32 scales and the 1088-wide rows stay on the portable family).
 constexpr bool hopper_format(FormatId id) {
   const FormatTraits f = format_traits(id);
-  return (f.d_qk == 512 || f.d_qk == 576) && f.d_v == 512 && f.quant_bits != 4 &&
-         !(f.scale_kind == ScaleKind::kFp32 && !f.pow2_scales);
+  return (f.d_qk == 512 || f.d_qk == 576) && f.d_v == 512 && !(f.scale_kind == ScaleKind::kFp32 && !f.pow2_scales);
 }
 
 template <FormatId kFormat, int kHeadTileValue>
@@ -60,7 +59,7 @@ struct HopperConfig {
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
   static constexpr int kTileBytes = kCandidateTile * kDqk * 2;
   static constexpr int kTileBlockBytes = kCandidateTile * kAtomBytes;  // one 64-column block of a tile
-  static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kProducerThreads * kScaleSlotBytes : 0;
+  static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kProducerThreads * Geometry::kScaleSlotBytes : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
   // Partial scores: [2 buffers][2 consumers][16 values][128 threads] floats.
   static constexpr int kExchangeBytes = 2 * kConsumerGroups * 16 * 128 * 4;

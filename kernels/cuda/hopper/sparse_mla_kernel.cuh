@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     const int load_sub = threadIdx.x % Loader::kThreadsPerRow;
     auto staged_row = [&](int b) { return smem + Cfg::kStageOffset + b * Cfg::kStageBytes + load_row * Cfg::kStagePitch; };
     auto scale_slot = [&](int b) {
-      return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes + threadIdx.x * kScaleSlotBytes;
+      return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes + threadIdx.x * Loader::kScaleSlotBytes;
     };
     auto issue_row = [&](const PendingRow& row, int b) {
       const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);

@@ -71,7 +71,7 @@ struct PortableConfig {
   // factors of the tile (TileLoader::write_factors).
   static constexpr int kTileBytes = kCandidateTile * kTilePitch * 2;
   static constexpr int kStageBytes = kCandidateTile * Geometry::kStagedRowBytes;
-  static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kThreads * kScaleSlotBytes : 0;
+  static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kThreads * Geometry::kScaleSlotBytes : 0;
   static constexpr int kExchangeFloatsPerWarp = kScoreTiles * 4 * 32;
   static constexpr int kExchangeBytes = kDSplits > 1 ? kWarps * kExchangeFloatsPerWarp * 4 : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;

@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   const int load_row = threadIdx.x / Loader::kThreadsPerRow;
   const int load_sub = threadIdx.x % Loader::kThreadsPerRow;
   uint8_t* const staged_row = stage + load_row * Loader::kStagedRowBytes;
-  uint8_t* const scale_slot = scale_slots + threadIdx.x * kScaleSlotBytes;
+  uint8_t* const scale_slot = scale_slots + threadIdx.x * Loader::kScaleSlotBytes;
   uint16_t* const tile_row = tile + load_row * kPitch;
 
   auto read_row = [&](int tile_index) { return read_pending_row<Loader::kF.dual_cache>(a, tiles, token, tile_index, load_row); };
