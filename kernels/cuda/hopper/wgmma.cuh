@@ -50,11 +50,6 @@ JSMLA_DEVICE void fence_registers(float (&r)[kCount]) {
 // Makes this thread's generic-proxy shared-memory writes visible to wgmma (the async proxy).
 JSMLA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Signals barrier `id` without waiting (the counterpart of named_barrier_sync on the same id).
-JSMLA_DEVICE void named_barrier_arrive(int id, int thread_count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(thread_count) : "memory");
-}
-
 // Register reallocation between warpgroups (all warps of the warpgroup execute it).
 template <int kRegisters>
 JSMLA_DEVICE void increase_registers() {
