@@ -257,8 +257,9 @@ def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, i
             lambda ops, idx: jnp.sum(baseline_in_chunks(ops[0], ops[1], idx, sm_scale, kv_format,
                                                         FLAGS.baseline_chunk_tokens)), (q, view),
             indices, max(3, FLAGS.repeats // 2))
-    flops = 2.0 * tokens * heads * TOPK * (fmt.d_qk + fmt.d_v)
-    gathered = tokens * TOPK * fmt.bytes_per_token
+    attended = min(TOPK, fmt.max_candidates) if fmt.max_candidates else TOPK  # dots3_swa: its window
+    flops = 2.0 * tokens * heads * attended * (fmt.d_qk + fmt.d_v)
+    gathered = tokens * attended * fmt.bytes_per_token
     plan = jsm.plan(q.shape, fmt, TOPK, platform="cuda" if jax.default_backend() == "gpu" else "cpu", impl=impl)
     anchor_columns = flashmla_columns(anchor, impl, kv_format, q, cache, kv_bf16, indices, sm_scale, out, lse)
     if anchor_columns:

@@ -87,9 +87,10 @@ case "$mode" in
     ;;
   sanitize)
     # memcheck over every *sanitize* test; racecheck and synccheck (slower: every shared-memory access
-    # and barrier is tracked) over those of JSMLA_SANITIZE_FILTER (default: one FP8 and one BF16 format).
+    # and barrier is tracked) over those of JSMLA_SANITIZE_FILTER (default: one FP8, one FP4 and one BF16
+    # format, each on the 16-head portable kernels and on the 128-head Hopper tiles).
     export JSMLA_SANITIZE=1
-    filter=${JSMLA_SANITIZE_FILTER:-sanitize and (dsv3_2 or bf16_576)}
+    filter=${JSMLA_SANITIZE_FILTER:-sanitize and (dsv3_2 or dsv4_nvfp4 or bf16_576)}
     for tool in memcheck racecheck synccheck; do
       selection="sanitize"
       [ "$tool" = memcheck ] || selection="$filter"
