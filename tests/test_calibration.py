@@ -4,6 +4,7 @@ no GPU needed."""
 from __future__ import annotations
 
 import json
+import functools
 import multiprocessing
 import os
 
@@ -239,8 +240,9 @@ def test_step_timing_queues_calls_and_divides_by_all_steps(monkeypatch):
     assert median == fastest == slowest == pytest.approx(1.0 / (4 * 5))  # one tick per 20 steps
 
 
+@functools.lru_cache(maxsize=None)
 def _load_benchmark_script(name):
-    """Imports benchmarks/<name>.py (a script directory, not a package)."""
+    """Imports benchmarks/<name>.py (a script directory, not a package) once: its absl flags are global."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", f"{name}.py")
@@ -289,3 +291,27 @@ def test_bench_baseline_in_chunks_matches_the_whole_baseline():
     np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="chunks of 3"):
         bench.baseline_in_chunks(q, view, indices, 0.05, "dsv3_2", 3)
+
+
+@pytest.mark.parametrize("key", [k for k, f in jsm.FORMATS.items() if f.quantized and k not in ("dsv3_2", "dsv4")])
+def test_bench_generic_baseline_rows_are_dequantize_kv(key):
+    """benchmarks/bench.py: the baseline of the formats without a hand-written one reads K and V from the
+    format's byte layout exactly as dequantize_kv does, and applies the format's candidate window."""
+    import numpy as np
+
+    bench = _load_benchmark_script("bench")
+    fmt = jsm.get_format(key)
+    page_size = 16
+    kv = jnp.asarray(np.random.default_rng(5).standard_normal((3 * page_size, fmt.d_qk)), jnp.float32)
+    cache = jsm.quantize_kv(kv, fmt, page_size=page_size)
+    dequantized = jsm.dequantize_kv(cache, fmt, page_size=page_size)
+    rows = (dequantized[0] if isinstance(dequantized, tuple) else dequantized).reshape(-1, fmt.d_qk)
+    width = max(fmt.max_candidates + 2, 6)
+    indices = jnp.asarray(np.random.default_rng(6).integers(-1, 3 * page_size, (2, width)), jnp.int32)
+    k, v, masked = bench.generic_baseline_rows(bench.baseline_view(cache, key, page_size), indices, key)
+    expected = rows[jnp.maximum(indices, 0)].astype(jnp.bfloat16)
+    window = fmt.max_candidates or width  # past the window the masked candidates gather slot 0
+    assert np.array_equal(np.asarray(k[:, :window]), np.asarray(expected[:, :window]))
+    assert np.array_equal(np.asarray(v[:, :window]), np.asarray(expected[:, :window, :fmt.d_v]))
+    assert np.array_equal(np.asarray(masked[:, :window]), np.asarray(indices[:, :window]))
+    assert bool(jnp.all(masked[:, window:] == -1))
