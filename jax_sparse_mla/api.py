@@ -17,6 +17,9 @@ __all__ = ["sparse_mla", "merge_attention_states"]
 # Operand names of the flattened op, in order; absent optional operands are left out of the dict.
 _OPERANDS = ("q", "kv_cache", "indices", "topk_length", "attn_sink", "extra_kv_cache", "extra_indices",
              "extra_topk_length", "valid_tokens")
+#: The platforms whose kernels read a main and an extra cache of two formats in one call (the CPU kernel);
+#: elsewhere such a call is one kernel call per cache, merged (_merged_lists).
+_JOINT_TWO_FORMAT_PLATFORMS = frozenset({"cpu"})
 
 
 def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scale: float,
@@ -62,7 +65,8 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
         GPU backend without an FP8 kernel it raises ``ValueError`` (never a silent 16-bit fallback).
       extra_kv_format: the extra cache's format (default: ``kv_format``); the allowed pairs are each
         dual-cache format with itself, ``("dsv4", "dsv4_nvfp4")`` and ``("dsv4_1", "dsv4_1_fp4")``
-        (``supported_configs()[key]["extra_formats"]``).
+        (``supported_configs()[key]["extra_formats"]``). The CUDA kernels run a pair of two formats as
+        one call per cache, merged by their lse with the sink (the CPU kernel reads both in one call).
 
     Returns:
       ``(out, lse)``: bfloat16 ``[..., H, d_v]`` and float32 ``[..., H]`` (natural log, sink included).
@@ -196,10 +200,6 @@ def _missing_cuda_kernel(problem) -> Optional[str]:
         return f"precision: {problem.precision!r} has no CUDA kernel yet (FP8 tensor-core compute)"
     if not rule["format_on_platform"].accepts(fmt, "cuda", impl):
         return f"kv_format: {fmt.key!r} has no CUDA kernel yet"
-    if problem.extra_fmt is not None and not rule["extra_format_on_platform"].accepts(fmt, problem.extra_fmt.key,
-                                                                                      "cuda", impl):
-        return (f"extra_kv_format: an extra cache in {problem.extra_fmt.key!r} beside a {fmt.key!r} main cache "
-                f"has no CUDA kernel yet")
     return None
 
 
@@ -227,10 +227,11 @@ def _lower(problem, arrays):
     operands = [get(name) for name in _OPERANDS[:-1]] + [valid_tokens]
 
     def lower_for(platform):
-        plan = planner.plan((problem.num_tokens, problem.num_heads, problem.fmt.d_qk), problem.fmt, problem.topk,
-                            extra_topk=problem.extra_topk, platform=platform, impl=problem.impl,
-                            batch_invariant=problem.batch_invariant)
-        return lambda *ops: _ffi.call(plan, problem, *ops)
+        if _two_formats(problem) and platform not in _JOINT_TWO_FORMAT_PLATFORMS:
+            return lambda *ops: _merged_lists(problem, dict(zip(_OPERANDS, ops)),
+                                              lambda single, single_arrays: _lower_single(single, single_arrays,
+                                                                                          platform))
+        return lambda *ops: _lower_single(problem, dict(zip(_OPERANDS, ops)), platform)
 
     if problem.impl in ("decode", "prefill"):
         # The backend first: without a GPU no build of the extension helps.
@@ -250,6 +251,55 @@ def _lower(problem, arrays):
     # Both platforms are planned; only the branch of the platform being lowered for is emitted, so a
     # program exported for CUDA from a CPU host carries the CUDA plan.
     return jax.lax.platform_dependent(*operands, cpu=lower_for("cpu"), cuda=lower_for("cuda"))
+
+
+def _lower_single(problem, arrays, platform):
+    """The kernel call of one plan for ``platform`` (arrays by operand name, None where absent)."""
+    plan = planner.plan((problem.num_tokens, problem.num_heads, problem.fmt.d_qk), problem.fmt, problem.topk,
+                        extra_topk=problem.extra_topk, platform=platform, impl=problem.impl,
+                        batch_invariant=problem.batch_invariant)
+    return _ffi.call(plan, problem, *(arrays.get(name) for name in _OPERANDS))
+
+
+def _two_formats(problem) -> bool:
+    """A dual cache whose extra cache has another format than the main one."""
+    return problem.extra_fmt is not None and problem.extra_fmt.key != problem.fmt.key
+
+
+def _merged_lists(problem, arrays, lower_single):
+    """A dual-cache call as two single-cache calls, one per candidate list (each in its cache's format,
+    without the sink), merged by their lse with the sink in float32: the joint softmax over main ∪ extra
+    (docs/semantics.md). How the CUDA kernels, which read one format per call, serve a dual cache of two
+    formats. ``lower_single(problem, arrays) -> (out, lse)`` lowers one single-cache call."""
+    get = arrays.get
+    single = dataclasses.replace(problem, extra_topk=0, extra_layout=None, extra_fmt=None)
+    main_out, main_lse = lower_single(single, {
+        "q": get("q"), "kv_cache": get("kv_cache"), "indices": get("indices"), "topk_length": get("topk_length"),
+        "valid_tokens": get("valid_tokens")})
+    extra_single = dataclasses.replace(single, fmt=problem.extra_fmt, topk=problem.extra_topk,
+                                       layout=problem.extra_layout)
+    extra_out, extra_lse = lower_single(extra_single, {
+        "q": get("q"), "kv_cache": get("extra_kv_cache"), "indices": get("extra_indices"),
+        "topk_length": get("extra_topk_length"), "valid_tokens": get("valid_tokens")})
+    lse = jnp.logaddexp(main_lse, extra_lse)
+    sink = get("attn_sink")
+    if sink is not None:
+        lse = jnp.logaddexp(lse, sink.astype(jnp.float32)[None, :])
+    finite = jnp.isfinite(lse)
+    safe = jnp.where(finite, lse, 0.0)
+
+    def weighted(out, part_lse):
+        weight = jnp.where(finite, jnp.exp(part_lse - safe), 0.0)[..., None]
+        # where(), not a product, so an empty state's values can never leak into the result.
+        return jnp.where(weight > 0, weight * out.astype(jnp.float32), 0.0)
+
+    out = weighted(main_out, main_lse) + weighted(extra_out, extra_lse)
+    valid_tokens = get("valid_tokens")
+    if valid_tokens is not None:  # padding rows stay empty, whatever the sink
+        row_valid = (jnp.arange(problem.num_tokens, dtype=jnp.int32) < valid_tokens)[:, None]
+        out = jnp.where(row_valid[..., None], out, 0.0)
+        lse = jnp.where(row_valid, lse, -jnp.inf)
+    return out.astype(main_out.dtype), lse
 
 
 def _cuda_unavailable() -> str:

@@ -156,11 +156,6 @@ RULES = (
     Rule("extra_kv_format", ("extra_kv_format",),
          lambda fmt, extra: not fmt.dual_cache or extra in extra_formats(fmt.key),  # else: the dual_cache rule
          lambda fmt: str(list(extra_formats(fmt.key)))),
-    Rule("extra_format_on_platform", ("extra_kv_format", "platform", "impl"),
-         lambda fmt, extra, platform, impl: impl == "xla" or platform != "cuda" or extra == fmt.key,
-         lambda fmt: "an extra cache of another format on the CPU kernel or with impl='xla'",
-         lambda fmt, extra, platform, impl: (f"extra_kv_format={extra!r} with platform='cuda' (an extra cache in "
-                                             f"{extra!r} beside a {fmt.key!r} main cache has no CUDA kernel yet)")),
     Rule("batch_invariant", ("batch_invariant", "impl"),
          lambda fmt, invariant, impl: not invariant or impl in ("auto", "decode"),
          lambda fmt: "only with impl 'auto' or 'decode' (the split-K kernel fixes its reduction order; "

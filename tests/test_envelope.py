@@ -128,17 +128,6 @@ def _walk_extra_kv_format(key):
         yield {"extra_kv_format": extra}, _call(key, dual_cache=True, extra_format=extra)
 
 
-def _walk_extra_format_on_platform(key):
-    for extra in validate.extra_formats(key):
-        yield {"extra_kv_format": extra, "platform": LOCAL, "impl": "auto"}, _call(key, dual_cache=True,
-                                                                                  extra_format=extra)
-        yield ({"extra_kv_format": extra, "platform": "cuda", "impl": "xla"},
-               _call(key, dual_cache=True, extra_format=extra, impl="xla", backend="gpu"))
-        if extra != key:  # the same format would go on to need the CUDA extension, which this machine may lack
-            yield ({"extra_kv_format": extra, "platform": "cuda", "impl": "auto"},
-                   _call(key, dual_cache=True, extra_format=extra, backend="gpu"))
-
-
 def _walk_dual_cache(key):
     for dual in (False, True):
         yield {"dual_cache": dual}, _call(key, dual_cache=dual)
@@ -165,7 +154,6 @@ WALKS = {
     "format_on_platform": _walk_format_on_platform,
     "dual_cache": _walk_dual_cache,
     "extra_kv_format": _walk_extra_kv_format,
-    "extra_format_on_platform": _walk_extra_format_on_platform,
     "batch_invariant": _walk_batch_invariant,
 }
 
@@ -198,14 +186,12 @@ def test_check_supported_agrees_with_the_call(rule, key):
 def _expected_outcomes(rule, fmt) -> set:
     """Which answers a rule's walk gives for a format: both sides of the boundary, except where a format
     is on one side of it for every value walked."""
-    mixed_extra = any(extra != fmt.key for extra in validate.extra_formats(fmt.key))
     one_sided = {
         "dual_cache": {True} if fmt.dual_cache else {True, False},
         "page_size": {True} if _page_multiple(fmt) == 1 else {True, False},
         "format_on_platform": {True} if jsm.supported_configs()[fmt.key]["platforms"]["cuda"]["variants"]
         else {True, False},
         "extra_kv_format": {True, False} if fmt.dual_cache else {False},
-        "extra_format_on_platform": {True, False} if mixed_extra else ({True} if fmt.dual_cache else set()),
     }
     return one_sided.get(rule, {True, False})
 

@@ -399,14 +399,24 @@ def test_fp4_formats_plan_for_cuda(key):
     assert jsm.plan((1, 16, 512), key, 64, platform="cpu").variant == "reference"
 
 
-def test_mixed_pairs_have_no_cuda_plan(monkeypatch):
-    from jax_sparse_mla import api
+@pytest.mark.parametrize("key,extra_key", [("dsv4", "dsv4_nvfp4"), ("dsv4_1", "dsv4_1_fp4")])
+def test_two_format_pairs_lower_for_cuda_as_one_call_per_cache(key, extra_key):
+    """The CUDA kernels read one format per call: a CUDA program for a dual cache of two formats holds two
+    kernel calls, the main cache's format then the extra cache's (merged in the program); one format, one call."""
+    import re
 
-    q, main, idx, extra, extra_idx = _dual_operands("dsv4_1", "dsv4_1_fp4")
-    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
-    with pytest.raises(ValueError, match="extra_kv_format: an extra cache in 'dsv4_1_fp4' beside a 'dsv4_1' main"):
-        jax.eval_shape(lambda q: jsm.sparse_mla(q, main, idx, kv_format="dsv4_1", sm_scale=0.1, extra_kv_cache=extra,
-                                                extra_indices=extra_idx, extra_kv_format="dsv4_1_fp4"), q)
-    out = jax.eval_shape(lambda q: jsm.sparse_mla(q, main, idx, kv_format="dsv4_1", sm_scale=0.1, extra_kv_cache=extra,
-                                                  extra_indices=extra_idx, extra_kv_format="dsv4_1_fp4", impl="xla"), q)
-    assert out[0].shape == (2, 3, 512)
+    from jax_sparse_mla.export import export
+
+    def formats_called(extra_format):
+        q, main, idx, extra, extra_idx = _dual_operands(key, extra_format)
+
+        def attention(q):
+            return jsm.sparse_mla(q, main, idx, kv_format=key, sm_scale=0.1, extra_kv_cache=extra,
+                                  extra_indices=extra_idx, extra_kv_format=extra_format)
+
+        module = export(jax.jit(attention), q, platforms=("cuda",)).mlir_module()
+        return [int(v) for v in re.findall(r"\bkv_format = (\d+) : i32", module)]
+
+    assert formats_called(extra_key) == [jsm.get_format(key).id, jsm.get_format(extra_key).id]
+    assert formats_called(key) == [jsm.get_format(key).id]
+    jsm.check_supported(key, extra_kv_format=extra_key, platform="cuda")

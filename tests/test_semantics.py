@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla import api
 
 import cases
 import oracle
@@ -210,6 +211,33 @@ def test_dual_cache_lengths_and_sinks(rng, impl, key, extra_key):
     case.check(impl)
     without_lengths = dataclasses.replace(case, extra_topk_length=None).poison_unused()
     without_lengths.check(impl)
+
+
+TWO_FORMAT_PAIRS = [pair for pair in DUAL_PAIRS if pair[0] != pair[1]]
+
+
+@pytest.mark.parametrize("key,extra_key", TWO_FORMAT_PAIRS)
+def test_two_format_dual_cache_as_one_call_per_cache(rng, monkeypatch, key, extra_key):
+    """A dual cache of two formats as one kernel call per cache merged by lse with the sink (how the CUDA
+    kernels run it), here over the CPU kernel: the accuracy contract, the joint kernel's result within
+    a BF16 rounding of each part, padding rows and sinks as in the joint call."""
+    sink = np.array([0.3, -np.inf, np.inf, 1.0], np.float32)
+    extra = dict(page_size=2, topk=9, topk_length=np.array([0, -4, 9, 3, 100, 1], np.int32), kv_format=extra_key,
+                 cache_tokens=41)
+    case = make_case(rng, key, num_tokens=6, num_heads=4, topk=21, page_size=2 * oracle.min_3d_page_multiple(key),
+                     topk_length=np.array([21, 0, 0, 2, -1, 70], np.int32), attn_sink=sink,
+                     valid_tokens=np.int32(5), extra=extra)
+    joint_out, joint_lse, *_ = case.check("auto")
+    monkeypatch.setattr(api, "_JOINT_TWO_FORMAT_PLATFORMS", frozenset())
+    out, lse, ref_out, _ = case.check("auto")
+    assert np.all(out[5:].astype(np.float32) == 0) and np.all(lse[5:] == -np.inf)  # the padding row
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(joint_lse))
+    finite = np.isfinite(joint_lse)
+    np.testing.assert_allclose(lse[finite], joint_lse[finite], atol=1e-5)
+    bf16_step = 2.0 ** -7 * max(1.0, float(np.abs(ref_out).max()))
+    assert np.abs(out.astype(np.float32) - joint_out.astype(np.float32)).max() <= bf16_step
+    case_without_sink = dataclasses.replace(case, attn_sink=None, valid_tokens=None)
+    case_without_sink.check("auto")
 
 
 @pytest.mark.parametrize("key", ["glm_nsa", "dsv4_1_fp4"])
