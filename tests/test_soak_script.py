@@ -7,11 +7,14 @@ import json
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
 
 import soak  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
+from jax_sparse_mla import validate  # noqa: E402
 
 
 def test_soak_dry_run_checks_every_other_launch(tmp_path):
@@ -27,3 +30,11 @@ def test_soak_dry_run_checks_every_other_launch(tmp_path):
 def test_soak_refuses_to_run_without_a_gpu(capsys):
     assert soak.main(["--launches", "1"]) == 2
     assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_soak_draws_dual_caches_of_every_allowed_pair():
+    rng = np.random.default_rng(0)
+    configs = [soak.draw_config(rng, sorted(jsm.FORMATS)) for _ in range(400)]
+    pairs = {(c["key"], c["extra_key"]) for c in configs if c["extra_topk"]}
+    assert pairs == {(key, extra) for key in jsm.FORMATS for extra in validate.extra_formats(key)}
+    assert all(jsm.get_format(c["key"]).dual_cache for c in configs if c["extra_topk"])

@@ -1,7 +1,7 @@
 """GPU soak: many launches of the CUDA kernels over random formats, shapes and data, under a watchdog.
 
-Each configuration draws a format the CUDA kernels serve, T, H, topk, page size, a dual cache (same
-format), a sink or none and a plan variant, and compiles one jitted step. Every launch of that step
+Each configuration draws a format the CUDA kernels serve, T, H, topk, page size, for a dual-cache
+format an extra cache (in any format allowed beside it) or none, a sink or none and a plan variant, and compiles one jitted step. Every launch of that step
 draws fresh data on the GPU (indices with every kind of invalid slot, row lengths, extra lengths,
 valid_tokens in [0, T], sink values), so the plan's code paths see varied masks without a recompile
 (the caches are not poisoned here, since fresh indices reach every slot: the test tiers check that
@@ -34,6 +34,7 @@ import cases  # noqa: E402
 import oracle  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
+from jax_sparse_mla import validate  # noqa: E402
 
 TOKENS = (1, 2, 3, 5, 8, 16, 33, 64, 128)
 HEADS = (1, 7, 16, 20, 32, 64, 100, 128)
@@ -78,10 +79,12 @@ def draw_config(rng, formats, impls=IMPLS):
     tokens, heads, topk = int(rng.choice(TOKENS)), int(rng.choice(HEADS)), int(rng.choice(TOPKS))
     multiple = oracle.min_3d_page_multiple(key)
     page = -(-int(rng.choice(PAGE_SIZES)) // multiple) * multiple
-    dual = oracle.SPECS[key].window is None and rng.random() < 0.3
+    dual = jsm.get_format(key).dual_cache and rng.random() < 0.5
+    # The extra cache's format: any allowed for the main one (a format without a dual cache gets its own).
+    extra_key = str(rng.choice(validate.extra_formats(key) or (key,)))
     return dict(key=key, tokens=tokens, heads=heads, topk=topk, page_size=page,
                 cache_tokens=int(rng.integers(max(2 * page, 40), max(4 * page, 600))),
-                extra_topk=int(rng.choice((1, 5, 64, 130))) if dual else 0,
+                extra_topk=int(rng.choice((1, 5, 64, 130))) if dual else 0, extra_key=extra_key,
                 sink=bool(rng.random() < 0.5), impl=str(rng.choice(impls)))
 
 
@@ -91,6 +94,8 @@ def build_step(config, case):
     num_slots = case.main.num_slots
     extra_slots = case.extra.num_slots if case.extra is not None else 0
     static = dict(kv_format=config["key"], sm_scale=case.sm_scale)
+    if extra_topk:
+        static["extra_kv_format"] = config["extra_key"]
 
     def draw(key):
         k = jax.random.split(key, 8)
@@ -162,9 +167,9 @@ def main(argv=None):
     start = time.monotonic()
     for c in range(args.configs):
         config = draw_config(rng, formats, impls)
-        extra_page = -(-2 // oracle.min_3d_page_multiple(config["key"])) * oracle.min_3d_page_multiple(config["key"])
-        extra = (dict(page_size=extra_page, cache_tokens=97, topk=config["extra_topk"]) if config["extra_topk"]
-                 else None)
+        extra_multiple = oracle.min_3d_page_multiple(config["extra_key"])
+        extra = (dict(page_size=-(-2 // extra_multiple) * extra_multiple, cache_tokens=97, topk=config["extra_topk"],
+                      kv_format=config["extra_key"]) if config["extra_topk"] else None)
         case = cases.make_case(rng, config["key"], num_tokens=config["tokens"], num_heads=config["heads"],
                                topk=config["topk"], page_size=config["page_size"],
                                cache_tokens=config["cache_tokens"], extra=extra, poison=False)
@@ -191,6 +196,7 @@ def main(argv=None):
                 watchdog.beat()
         print(f"config {c:3d} {config['key']:10s} T={config['tokens']:3d} H={config['heads']:3d} "
               f"topk={config['topk']:4d} page={config['page_size']:2d} extra={config['extra_topk']:3d} "
+              f"{config['extra_key'] if config['extra_topk'] else '':10s} "
               f"sink={int(config['sink'])} {plan.variant:7s} launches={launches}", flush=True)
         if launches >= args.launches:
             break
