@@ -227,11 +227,12 @@ def _lower(problem, arrays):
     operands = [get(name) for name in _OPERANDS[:-1]] + [valid_tokens]
 
     def lower_for(platform):
+        def lower_single(single, single_arrays):
+            return _lower_single(single, single_arrays, platform)
+
         if _two_formats(problem) and platform not in _JOINT_TWO_FORMAT_PLATFORMS:
-            return lambda *ops: _merged_lists(problem, dict(zip(_OPERANDS, ops)),
-                                              lambda single, single_arrays: _lower_single(single, single_arrays,
-                                                                                          platform))
-        return lambda *ops: _lower_single(problem, dict(zip(_OPERANDS, ops)), platform)
+            return lambda *ops: _merged_lists(problem, dict(zip(_OPERANDS, ops)), lower_single)
+        return lambda *ops: lower_single(problem, dict(zip(_OPERANDS, ops)))
 
     if problem.impl in ("decode", "prefill"):
         # The backend first: without a GPU no build of the extension helps.
@@ -285,15 +286,7 @@ def _merged_lists(problem, arrays, lower_single):
     sink = get("attn_sink")
     if sink is not None:
         lse = jnp.logaddexp(lse, sink.astype(jnp.float32)[None, :])
-    finite = jnp.isfinite(lse)
-    safe = jnp.where(finite, lse, 0.0)
-
-    def weighted(out, part_lse):
-        weight = jnp.where(finite, jnp.exp(part_lse - safe), 0.0)[..., None]
-        # where(), not a product, so an empty state's values can never leak into the result.
-        return jnp.where(weight > 0, weight * out.astype(jnp.float32), 0.0)
-
-    out = weighted(main_out, main_lse) + weighted(extra_out, extra_lse)
+    out = _mix(((main_out, main_lse), (extra_out, extra_lse)), lse)
     valid_tokens = get("valid_tokens")
     if valid_tokens is not None:  # padding rows stay empty, whatever the sink
         row_valid = (jnp.arange(problem.num_tokens, dtype=jnp.int32) < valid_tokens)[:, None]
@@ -339,11 +332,18 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
                          f"shapes, got {list(out_a.shape)}, {list(out_b.shape)}, {list(lse_a.shape)}, "
                          f"{list(lse_b.shape)}")
     lse = jnp.logaddexp(lse_a, lse_b)
+    return _mix(((out_a, lse_a), (out_b, lse_b)), lse).astype(out_a.dtype), lse
+
+
+def _mix(states, lse):
+    """float32 sum of the ``(out, part_lse)`` states weighted by ``exp(part_lse - lse)``, in order; rows whose
+    ``lse`` is not finite (all states empty, or an infinite sink) get 0."""
     finite = jnp.isfinite(lse)
     safe = jnp.where(finite, lse, 0.0)
-    weight_a = jnp.where(finite, jnp.exp(lse_a - safe), 0.0)[..., None]
-    weight_b = jnp.where(finite, jnp.exp(lse_b - safe), 0.0)[..., None]
-    # where(), not a product, so an empty state's values can never leak into the result.
-    out = (jnp.where(weight_a > 0, weight_a * out_a.astype(jnp.float32), 0.0)
-           + jnp.where(weight_b > 0, weight_b * out_b.astype(jnp.float32), 0.0))
-    return out.astype(out_a.dtype), lse
+    total = None
+    for out, part_lse in states:
+        weight = jnp.where(finite, jnp.exp(part_lse - safe), 0.0)[..., None]
+        # where(), not a product, so an empty state's values can never leak into the result.
+        term = jnp.where(weight > 0, weight * out.astype(jnp.float32), 0.0)
+        total = term if total is None else total + term
+    return total

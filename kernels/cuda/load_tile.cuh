@@ -109,12 +109,12 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
       convert_into(valid, staged_row, scale_slot, sub, store);
       return;
     }
-    constexpr int kFp8PerThread = kQuantUnits / kThreadsPerRow;
+    constexpr int kQuantPerThread = kQuantUnits / kThreadsPerRow;
     if (!valid) {
 #pragma unroll
       for (int i = 0; i < kUnitsPerThread; ++i) {
         const int unit = sub + i * kThreadsPerRow;
-        if (i < kFp8PerThread) {
+        if (i < kQuantPerThread) {
           store_zero_quant_unit(unit, store);
         } else {
           store(kF.quant_dim + 8 * (unit - kQuantUnits), make_uint4(0, 0, 0, 0));
@@ -125,7 +125,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
     bool bit_path = kF.quant_bits == 8;  // (FP4 has one exact conversion)
     if constexpr (kF.quant_bits == 8) {
 #pragma unroll
-      for (int i = 0; i < kFp8PerThread; ++i) bit_path &= bit_path_scale(unit_scale(scale_slot, sub + i * kThreadsPerRow));
+      for (int i = 0; i < kQuantPerThread; ++i) bit_path &= bit_path_scale(unit_scale(scale_slot, sub + i * kThreadsPerRow));
     }
     if (bit_path) {
       convert_staged<kBatch, true>(staged_row, scale_slot, sub, store);
@@ -165,7 +165,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   // The staged units of convert_batched, kBatch loads at a time, all FP8 units on one path.
   template <int kBatch, bool kBitPath, class Store>
   static JSMLA_DEVICE void convert_staged(const uint8_t* staged_row, const uint8_t* scale_slot, int sub, Store& store) {
-    constexpr int kFp8PerThread = kQuantUnits / kThreadsPerRow;
+    constexpr int kQuantPerThread = kQuantUnits / kThreadsPerRow;
 #pragma unroll
     for (int first = 0; first < kUnitsPerThread; first += kBatch) {
       uint4 staged[kBatch];
@@ -180,7 +180,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
         const int i = first + j;
         if (i >= kUnitsPerThread) continue;
         const int unit = sub + i * kThreadsPerRow;
-        if (i < kFp8PerThread) {
+        if (i < kQuantPerThread) {
           if constexpr (kF.quant_bits == 4) {
             dequantize_fp4_unit(staged[j], scale_slot, unit, store);
           } else {
