@@ -97,24 +97,29 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   // Every thread of a row converts the same units of each kind (its quantized units come first).
   static constexpr bool kUniformUnits = kUnits % kThreadsPerRow == 0 && kQuantUnits % kThreadsPerRow == 0;
 
+  // Whether unit `unit` (the thread's i-th) exists and is quantized: decided at compile time where the
+  // units divide evenly between a row's threads, per thread otherwise (dsv4_nvfp4: 14 FP4 + 8 BF16).
+  static JSMLA_DEVICE bool has_unit(int unit) { return kUnits % kThreadsPerRow == 0 || unit < kUnits; }
+  static JSMLA_DEVICE bool quant_unit(int i, int unit) {
+    if constexpr (kUniformUnits) return i < kQuantUnits / kThreadsPerRow;
+    return unit < kQuantUnits;
+  }
+
   // convert_into for a thread that owns a whole row's worth of units and spare registers: the valid
   // test and the choice of FP8 conversion (bit_path_scale for all of the thread's groups) are made
-  // once, and the staged units are loaded kBatch at a time before they are converted (no branch
-  // between them), so their shared-memory loads are in flight together. Where the row's units do not
-  // divide evenly between its threads (dsv4_nvfp4: 14 FP4 + 8 BF16 units), it is convert_into.
+  // once, and the staged units are loaded kBatch at a time before they are converted, so their
+  // shared-memory loads are in flight together.
   template <int kBatch, class Store>
   static JSMLA_DEVICE void convert_batched(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot, int sub,
                                            Store&& store) {
-    if constexpr (!kUniformUnits) {
-      convert_into(valid, staged_row, scale_slot, sub, store);
-      return;
-    }
+    static_assert(kUniformUnits || kF.quant_bits != 8, "the FP8 path choice needs every thread's units known");
     constexpr int kQuantPerThread = kQuantUnits / kThreadsPerRow;
     if (!valid) {
 #pragma unroll
       for (int i = 0; i < kUnitsPerThread; ++i) {
         const int unit = sub + i * kThreadsPerRow;
-        if (i < kQuantPerThread) {
+        if (!has_unit(unit)) continue;
+        if (quant_unit(i, unit)) {
           store_zero_quant_unit(unit, store);
         } else {
           store(kF.quant_dim + 8 * (unit - kQuantUnits), make_uint4(0, 0, 0, 0));
@@ -165,22 +170,22 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   // The staged units of convert_batched, kBatch loads at a time, all FP8 units on one path.
   template <int kBatch, bool kBitPath, class Store>
   static JSMLA_DEVICE void convert_staged(const uint8_t* staged_row, const uint8_t* scale_slot, int sub, Store& store) {
-    constexpr int kQuantPerThread = kQuantUnits / kThreadsPerRow;
 #pragma unroll
     for (int first = 0; first < kUnitsPerThread; first += kBatch) {
       uint4 staged[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        if (first + j < kUnitsPerThread) {
-          staged[j] = *reinterpret_cast<const uint4*>(staged_row + 16 * (sub + (first + j) * kThreadsPerRow));
+        const int unit = sub + (first + j) * kThreadsPerRow;
+        if (first + j < kUnitsPerThread && has_unit(unit)) {
+          staged[j] = *reinterpret_cast<const uint4*>(staged_row + 16 * unit);
         }
       }
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const int i = first + j;
-        if (i >= kUnitsPerThread) continue;
         const int unit = sub + i * kThreadsPerRow;
-        if (i < kQuantPerThread) {
+        if (i >= kUnitsPerThread || !has_unit(unit)) continue;
+        if (quant_unit(i, unit)) {
           if constexpr (kF.quant_bits == 4) {
             dequantize_fp4_unit(staged[j], scale_slot, unit, store);
           } else {
@@ -308,8 +313,11 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   static constexpr uint32_t kFp4HighBytes0 = 0x3f3f3f00u, kFp4HighBytes1 = 0x40404040u;
 
   // The 8 e2m1 values of `word` (value i in nibble i) times the BF16 pair `scale`: the magnitude
-  // codes index the byte tables with prmt, the sign bits are moved to bit 15 of each BF16 lane.
+  // codes index the byte tables with prmt; the signs come from prmt's sign replication (the sign of
+  // value 2k + 1 is bit 7 of byte k of `word`, that of value 2k bit 7 of byte k of word << 4) and are
+  // kept at bit 15 of each BF16 lane.
   static JSMLA_DEVICE uint4 fp4x8_to_bf16x8(uint32_t word, uint32_t scale) {
+    const uint32_t shifted = word << 4;
     uint32_t pairs[4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -317,17 +325,22 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
       uint32_t low, high;
       asm("prmt.b32 %0, %1, %2, %3;" : "=r"(low) : "r"(kFp4LowBytes0), "r"(kFp4LowBytes1), "r"(codes));
       asm("prmt.b32 %0, %1, %2, %3;" : "=r"(high) : "r"(kFp4HighBytes0), "r"(kFp4HighBytes1), "r"(codes));
-      const uint32_t nibbles = word >> (16 * half);
 #pragma unroll
       for (int pair = 0; pair < 2; ++pair) {
-        uint32_t magnitudes;  // BF16 lanes (value 2 pair, value 2 pair + 1): bytes low, high, low, high
+        const int byte = 2 * half + pair;  // the byte of `word` holding values 2 byte, 2 byte + 1
+        uint32_t magnitudes;  // BF16 lanes (value 2 byte, value 2 byte + 1): bytes low, high, low, high
         asm("prmt.b32 %0, %1, %2, %3;" : "=r"(magnitudes) : "r"(low), "r"(high), "r"(pair == 0 ? 0x5140u : 0x7362u));
-        // Sign of value 2 pair at nibble bit 3 + 8 pair → bit 15; of value 2 pair + 1 at bit 7 + 8 pair → 31.
-        const uint32_t signs = ((nibbles >> (8 * pair)) << 12 & 0x8000u) | ((nibbles >> (8 * pair)) << 24 & 0x80000000u);
+        // Byte 1 ← sign of value 2 byte (byte `byte` of shifted, replicated), byte 3 ← sign of value
+        // 2 byte + 1 (byte `byte` of word, replicated); bytes 0 and 2 are masked off below.
+        const uint32_t selector = ((0x8u | byte) << 12) | ((0xcu | byte) << 4);
+        uint32_t signs;
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(signs) : "r"(word), "r"(shifted), "r"(selector));
         uint32_t product;
         // x · s + (-0) is exactly the product, signed zeros included.
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(product) : "r"(magnitudes | signs), "r"(scale), "r"(0x80008000u));
-        pairs[2 * half + pair] = product;
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+            : "=r"(product)
+            : "r"(magnitudes | (signs & 0x80008000u)), "r"(scale), "r"(0x80008000u));
+        pairs[byte] = product;
       }
     }
     return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);

@@ -6,13 +6,14 @@
 //   warpgroup 0, the producer: gathers candidate rows with cp.async into a two-stage staging area and
 //     converts them (FP8 or FP4 × scale → BF16, or BF16 copies) into a two-buffer BF16 KV tile in the
 //     128-byte swizzled layout wgmma reads;
-//   warpgroups 1 and 2, the consumers: each computes a partial S = Q·Kᵀ for all 64 heads and the
-//     tile's 32 candidates over its half of d_qk (wgmma m64n32k16, Q and K from shared memory), the two
-//     partials are exchanged through shared memory and summed in one fixed order (both consumers hold
-//     identical S), each runs the same online softmax in registers and accumulates O[:, its half of
-//     d_v] += P·V (wgmma m64n256k16, P from registers, V = the same tile read N-major). Where the
-//     exchange does not fit in shared memory (bf16_576), each consumer computes all of S instead.
-// Named barriers hand tiles over: full[b] (producer → consumers) and empty[b] (consumers → producer).
+//   warpgroup 1, the scorer: S = Q·Kᵀ for all 64 heads and the tile's 32 candidates (wgmma m64n32k16,
+//     Q and K from shared memory), the online softmax in registers, P (BF16) into shared memory with
+//     the rows' rescale factors, and O[:, first half of d_v] += P·V (wgmma m64n256k16, P from
+//     registers, V = the same tile read N-major);
+//   warpgroup 2: O[:, second half of d_v] += P·V with P from shared memory, its accumulators rescaled
+//     by the scorer's factors. Its P·V of tile i overlaps the scorer's S of tile i + 1.
+// Named barriers hand tiles over: full[b] (producer → scorer), p_ready[b] (scorer → warpgroup 2) and
+// empty[b] (both → producer).
 #pragma once
 
 #include "kernels/common/formats.h"
@@ -43,7 +44,7 @@ struct HopperConfig {
   static constexpr int kDqk = kF.d_qk;
   static constexpr int kDv = kF.d_v;
   static constexpr int kDvPerGroup = kDv / kConsumerGroups;  // wgmma N of P·V
-  static constexpr int kKSteps = kDqk / 16;                  // k16 steps of S
+  static constexpr int kKSteps = kDqk / 16;                  // k16 steps of S (all the scorer's)
   static constexpr int kOutRegisters = kDvPerGroup / 2;      // FP32 accumulators of O per thread
   static constexpr int kAtomBytes = 128;                     // one swizzle row: 64 BF16 values
 
@@ -54,47 +55,51 @@ struct HopperConfig {
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;
   //   two BF16 KV tiles [kDqk/64][32 candidates][128 B], swizzled;
-  //   two staging areas of raw rows, two sets of per-thread scale slots, two score-bias rows.
+  //   two P buffers [64 heads][32 candidates] BF16 in the 64-byte swizzled layout (K-major A of wgmma);
+  //   two staging areas of raw rows, two sets of per-thread scale slots, two score-bias rows, two rows
+  //   of rescale factors, the final row maxima and sums.
   static constexpr int kQBytes = kHeadTile * kDqk * 2;
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
   static constexpr int kTileBytes = kCandidateTile * kDqk * 2;
   static constexpr int kTileBlockBytes = kCandidateTile * kAtomBytes;  // one 64-column block of a tile
+  static constexpr int kPRowBytes = kCandidateTile * 2;                // one 64-byte swizzle row
+  static constexpr int kPBytes = kHeadTile * kPRowBytes;
   static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kProducerThreads * Geometry::kScaleSlotBytes : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
-  // Partial scores: [2 buffers][2 consumers][16 values][128 threads] floats.
-  static constexpr int kExchangeBytes = 2 * kConsumerGroups * 16 * 128 * 4;
+  static constexpr int kRescaleBytes = kHeadTile * 4;                  // one factor per head row
+  static constexpr int kFinalBytes = 2 * kHeadTile * 4;                // max and sum per head row
   // Staged rows preferably sit an odd multiple of 64 bytes apart: a warp's cp.async (and later its
   // shared-memory loads) covers 8 rows × 64 contiguous bytes, which then fall into alternating halves
   // of the 32 banks, 4 wavefronts per instruction (a pitch that is a multiple of 128 bytes puts all 8
   // rows on the same 16 banks, 4 times the wavefronts).
   static constexpr int kPaddedPitch = (Geometry::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
-  static constexpr bool fits(int pitch, bool split_scores) {
-    return kQBytes + 2 * kTileBytes + 2 * kCandidateTile * pitch + 2 * kScaleSlotsBytes + 2 * kBiasBytes +
-               (split_scores ? kExchangeBytes : 0) + 1024 <=
+  static constexpr bool fits(int pitch) {
+    return kQBytes + 2 * kTileBytes + 2 * kPBytes + 2 * kCandidateTile * pitch + 2 * kScaleSlotsBytes +
+               2 * kBiasBytes + 2 * kRescaleBytes + kFinalBytes + 1024 <=
            kMaxSharedBytes;
   }
-  // Split S between the consumers (halves the Q·Kᵀ work and its shared-memory reads) when it fits, with
-  // the padded pitch if that fits too.
-  static constexpr bool kSplitScores = fits(Geometry::kStagedRowBytes, true);
-  static constexpr int kStagePitch = fits(kPaddedPitch, kSplitScores) ? kPaddedPitch : Geometry::kStagedRowBytes;
+  static constexpr int kStagePitch = fits(kPaddedPitch) ? kPaddedPitch : Geometry::kStagedRowBytes;
   static constexpr int kStageBytes = kCandidateTile * kStagePitch;
 
   static constexpr int kQOffset = 0;
   static constexpr int kTileOffset = kQOffset + kQBytes;
-  static constexpr int kStageOffset = kTileOffset + 2 * kTileBytes;
+  static constexpr int kPOffset = kTileOffset + 2 * kTileBytes;
+  static constexpr int kStageOffset = kPOffset + 2 * kPBytes;
   static constexpr int kScaleSlotsOffset = kStageOffset + 2 * kStageBytes;
   static constexpr int kBiasOffset = kScaleSlotsOffset + 2 * kScaleSlotsBytes;
-  static constexpr int kExchangeOffset = kBiasOffset + 2 * kBiasBytes;
-  static constexpr int kUsedBytes = kExchangeOffset + (kSplitScores ? kExchangeBytes : 0);
+  static constexpr int kRescaleOffset = kBiasOffset + 2 * kBiasBytes;
+  static constexpr int kFinalOffset = kRescaleOffset + 2 * kRescaleBytes;
+  static constexpr int kUsedBytes = kFinalOffset + kFinalBytes;
   static constexpr int kSharedBytes = kUsedBytes + 1024;  // slack to align the base to 1024 bytes
-  // k16 steps of S per consumer.
-  static constexpr int kKStepsPerGroup = kSplitScores ? kKSteps / kConsumerGroups : kKSteps;
 
   // Named barriers (0 is __syncthreads).
-  static constexpr int kFullBarrier = 1;   // + buffer
-  static constexpr int kEmptyBarrier = 3;  // + buffer
-  static constexpr int kQBarrier = 5;      // consumers only: Q is in shared memory
-  static constexpr int kExchangeBarrier = 6;  // consumers only: both partial scores are written
+  static constexpr int kScorerThreads = 128;
+  static constexpr int kFullBarrier = 1;     // + buffer: producer arrives, scorer waits
+  static constexpr int kEmptyBarrier = 3;    // + buffer: both consumers arrive, producer waits
+  static constexpr int kQBarrier = 5;        // consumers only: Q is in shared memory
+  static constexpr int kFinalBarrier = 5;    // consumers only, after the last tile: the final row maxima
+                                             // and sums are written (the Q barrier's ids, long done)
+  static constexpr int kPReadyBarrier = 6;   // + buffer: scorer and warpgroup 2 both wait (two-sided)
 
   static_assert(hopper_format(kFormat), "format not served by the Hopper family");
   static_assert(kHeadTile == 64, "a head tile is one wgmma M of 64 rows");
@@ -107,10 +112,12 @@ struct HopperConfig {
   static_assert(!Geometry::kExactScales, "arbitrary FP32 scales are not served by this family");
   static_assert(kQOffset % 1024 == 0 && kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 &&
                     kQBlockBytes % 1024 == 0 && kTileBlockBytes % 1024 == 0,
-                "swizzled operands must start on 1024-byte boundaries");
+                "128-byte swizzled operands must start on 1024-byte boundaries");
+  static_assert(kPOffset % 512 == 0 && kPBytes % 512 == 0 && kPRowBytes == 64,
+                "P buffers are whole 64-byte swizzle atoms (8 rows × 64 B) on 512-byte boundaries");
   static_assert(kStageOffset % 16 == 0 && kStageBytes % 16 == 0 && kScaleSlotsOffset % 16 == 0 &&
-                    kBiasOffset % 16 == 0 && kExchangeOffset % 16 == 0,
-                "staging, scale slots and bias must be 16-byte aligned");
+                    kBiasOffset % 16 == 0 && kRescaleOffset % 16 == 0 && kFinalOffset % 16 == 0,
+                "staging, scale slots, bias and row factors must be 16-byte aligned");
   // setmaxnreg moves registers between the warpgroups of a block: the block keeps what it was launched
   // with (65536 / kThreads per thread, in steps of 8), and an increase waits until decreases have
   // released enough, so asking for more than that total deadlocks.
@@ -121,7 +128,8 @@ struct HopperConfig {
   static_assert(kProducerRegisters % 8 == 0 && kConsumerRegisters % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSharedBytes <= kMaxSharedBytes, "shared memory exceeds the sm_90 per-block limit");
   static_assert(kCandidateTile == 32, "the score accumulators below are one m64n32 tile");
-  static_assert(kConsumerGroups == 2 && kKSteps % kConsumerGroups == 0, "S splits into two whole k16 ranges");
+  static_assert(kConsumerGroups == 2, "a scorer and a second P·V warpgroup, one half of d_v each");
+  static_assert(kPReadyBarrier + 1 < 16, "sm_90 has 16 named barriers");
 };
 
 }  // namespace jsmla::cuda::hopper

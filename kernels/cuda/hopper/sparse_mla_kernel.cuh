@@ -6,9 +6,11 @@
 //   wait for its own cp.async of tile i; wait empty[b] (the consumers are done with tile i - 2);
 //   convert staging b into tile buffer b; fence.proxy.async; arrive full[b];
 //   issue the gather of tile i + 2 into staging b; read the indices of tile i + 3.
-// Consumers, per tile: wait full[b]; S = Q·Kᵀ (kDqk/16 wgmmas); softmax; O += P·V (2 wgmmas);
-// arrive empty[b] when the producer will refill it. The conversion of tile i + 1 and the gathers of
-// tiles i + 2 and i + 3 overlap the MMAs of tile i.
+// Scorer, per tile: wait full[b]; S = Q·Kᵀ (kDqk/16 wgmmas); softmax; P and the rows' rescale
+// factors into shared memory, arrive p_ready[b]; O[:, first half] += P·V (2 wgmmas); arrive empty[b].
+// Warpgroup 2, per tile: wait p_ready[b]; rescale; O[:, second half] += P·V (2 wgmmas, P from shared
+// memory); arrive empty[b]. The conversion of tile i + 1 and the gathers of tiles i + 2 and i + 3
+// overlap the MMAs of tile i; warpgroup 2's P·V of tile i overlaps the scorer's S of tile i + 1.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -93,7 +95,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       });
       if (load_sub == 0) score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
       fence_proxy_async_shared();
-      named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
+      named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
       staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
       pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
     }
@@ -135,69 +137,88 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 
   // The rest runs with the consumer's half of d_v as a compile-time constant: every shared-memory
   // descriptor is then a warp-uniform base plus constants, computed in uniform registers.
+  float* const row_rescale = reinterpret_cast<float*>(smem + Cfg::kRescaleOffset);  // [2][kHeadTile]
+  float* const final_state = reinterpret_cast<float*>(smem + Cfg::kFinalOffset);    // [max, sum][kHeadTile]
+  auto p_buffer = [&](int b) { return smem + Cfg::kPOffset + b * Cfg::kPBytes; };
+  const int rows[2] = {16 * warp + lane / 4, 16 * warp + lane / 4 + 8};  // this thread's head rows
   auto consume = [&](auto group_constant) {
-    constexpr int group = decltype(group_constant)::value;
-    const float score_scale = a.sm_scale * kLog2e;  // scores in the log2 domain
-    RunningSoftmax softmax;                         // rows lane/4 and lane/4 + 8 of the warp's 16
+    constexpr int group = decltype(group_constant)::value;  // 0: the scorer
+    RunningSoftmax softmax;                                 // the scorer's; warpgroup 2 gets the result
     float out_acc[Cfg::kOutRegisters];
 #pragma unroll
     for (int i = 0; i < Cfg::kOutRegisters; ++i) out_acc[i] = 0.0f;
 
-    const SmemDescriptor q_descriptor = smem_descriptor(q_smem, 16, 1024);
     for (int i = 0; i < tiles.count; ++i) {
       const int b = i & 1;
-      named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kThreads);
       const uint8_t* const tile = tile_buffer(b);
-
-      // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile. With kSplitScores
-      // each consumer covers its half of the k-steps and the partials are summed through shared memory.
-      float score[kN / 8][4];  // the m64n32 accumulators: score[j][r] as in online_softmax.cuh
-      float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
-      const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
-      constexpr int ks_first = Cfg::kSplitScores ? group * Cfg::kKStepsPerGroup : 0;
-      wgmma_fence();
-#pragma unroll
-      for (int step = 0; step < Cfg::kKStepsPerGroup; ++step) {
-        const int ks = ks_first + step;
-        const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
-        const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-        wgmma_m64n32k16_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
-                           step > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-      wgmma_wait_all();
-      fence_registers(score_registers);
-      if constexpr (Cfg::kSplitScores) {
-        // [buffer][consumer][value][thread]: consecutive threads, consecutive words.
-        float* const exchange = reinterpret_cast<float*>(smem + Cfg::kExchangeOffset) + b * 2 * 16 * 128;
-        const int thread_in_group = consumer_thread % 128;
-#pragma unroll
-        for (int v = 0; v < 16; ++v) exchange[(group * 16 + v) * 128 + thread_in_group] = score_registers[v];
-        named_barrier_sync(Cfg::kExchangeBarrier, 128 * Cfg::kConsumerGroups);
-        // partial(consumer 0) + partial(consumer 1): addition commutes exactly, so both hold the same S.
-#pragma unroll
-        for (int v = 0; v < 16; ++v) score_registers[v] += exchange[((1 - group) * 16 + v) * 128 + thread_in_group];
-      }
-
-      // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
-      float rescale[2];
-      softmax.update(score, score_bias + b * kN, score_scale, lane, rescale);
-      if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
-
-      // O[:, group half] += P·V: P (BF16) from the score registers, V = tile columns of this half, N-major.
       const SmemDescriptor v_descriptor = smem_descriptor(
           tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
-      uint32_t p_fragment[kN / 16][4];
+      if constexpr (group == 0) {
+        named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
+        // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile.
+        float score[kN / 8][4];  // the m64n32 accumulators: score[j][r] as in online_softmax.cuh
+        float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
+        const SmemDescriptor q_descriptor = smem_descriptor(q_smem, 16, 1024);
+        const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        p_fragment[kk][0] = pack_bf16x2(score[2 * kk][0], score[2 * kk][1]);
-        p_fragment[kk][1] = pack_bf16x2(score[2 * kk][2], score[2 * kk][3]);
-        p_fragment[kk][2] = pack_bf16x2(score[2 * kk + 1][0], score[2 * kk + 1][1]);
-        p_fragment[kk][3] = pack_bf16x2(score[2 * kk + 1][2], score[2 * kk + 1][3]);
+        for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
+          const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
+          const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
+          wgmma_m64n32k16_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
+                             ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(score_registers);
+
+        // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
+        float rescale[2];
+        softmax.update(score, score_bias + b * kN, a.sm_scale * kLog2e, lane, rescale);
+        if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
+        if (lane % 4 == 0) {
+          row_rescale[b * Cfg::kHeadTile + rows[0]] = rescale[0];
+          row_rescale[b * Cfg::kHeadTile + rows[1]] = rescale[1];
+        }
+        // P (BF16) as A fragments, and into P buffer b for warpgroup 2: 64-byte swizzled rows, the
+        // 8-column chunk j of row r at chunk j ^ ((r / 2) % 4).
+        uint32_t p_fragment[kN / 16][4];
+        uint8_t* const p_rows = p_buffer(b);
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          p_fragment[kk][0] = pack_bf16x2(score[2 * kk][0], score[2 * kk][1]);
+          p_fragment[kk][1] = pack_bf16x2(score[2 * kk][2], score[2 * kk][3]);
+          p_fragment[kk][2] = pack_bf16x2(score[2 * kk + 1][0], score[2 * kk + 1][1]);
+          p_fragment[kk][3] = pack_bf16x2(score[2 * kk + 1][2], score[2 * kk + 1][3]);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int chunk = 2 * kk + half;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              const int row = rows[r];
+              *reinterpret_cast<uint32_t*>(p_rows + row * Cfg::kPRowBytes + ((chunk ^ ((row / 2) % 4)) * 16) +
+                                           (lane % 4) * 4) = p_fragment[kk][2 * half + r];
+            }
+          }
+        }
+        fence_proxy_async_shared();
+        // A sync, not an arrive: warpgroup 2 is already waiting (its P·V of the previous tile is short
+        // beside this S), and the handoff of row_rescale is then a plain two-sided barrier.
+        named_barrier_sync(Cfg::kPReadyBarrier + b, 2 * Cfg::kScorerThreads);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) wgmma_m64n256k16_rs(out_acc, p_fragment[kk], v_descriptor.offset(kk * 16 * 128));
+      } else {
+        named_barrier_sync(Cfg::kPReadyBarrier + b, 2 * Cfg::kScorerThreads);
+        float rescale[2] = {row_rescale[b * Cfg::kHeadTile + rows[0]], row_rescale[b * Cfg::kHeadTile + rows[1]]};
+        if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
+        const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(b), 16, 8 * Cfg::kPRowBytes, Swizzle::k64B);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk) {
+          wgmma_m64n256k16_ss(out_acc, p_descriptor.offset(kk * 32), v_descriptor.offset(kk * 16 * 128));
+        }
       }
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) wgmma_m64n256k16_rs(out_acc, p_fragment[kk], v_descriptor.offset(kk * 16 * 128));
       wgmma_commit();
       wgmma_wait_all();
       fence_registers(out_acc);
@@ -205,12 +226,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     }
 
     // ---- epilogue: rows of this thread, columns of this consumer's half ----
-    softmax.finish();
-    const int head = head_begin + 16 * warp + lane / 4;
-    store_rows<Cfg::kDv>(p, token, coordinates.split, {head, head + 8}, group * Cfg::kDvPerGroup + 2 * (lane % 4),
-                         group == 0 && lane % 4 == 0, softmax, out_acc);
+    if constexpr (group == 0) {
+      softmax.finish();
+      if (lane % 4 == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          final_state[rows[r]] = softmax.row_max[r];
+          final_state[Cfg::kHeadTile + rows[r]] = softmax.row_sum[r];
+        }
+      }
+      named_barrier_arrive(Cfg::kFinalBarrier, 2 * Cfg::kScorerThreads);
+    } else {
+      named_barrier_sync(Cfg::kFinalBarrier, 2 * Cfg::kScorerThreads);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        softmax.row_max[r] = final_state[rows[r]];
+        softmax.row_sum[r] = final_state[Cfg::kHeadTile + rows[r]];
+      }
+    }
+    store_rows<Cfg::kDv>(p, token, coordinates.split, {head_begin + rows[0], head_begin + rows[1]},
+                         group * Cfg::kDvPerGroup + 2 * (lane % 4), group == 0 && lane % 4 == 0, softmax, out_acc);
   };
-  if (consumer_thread < 128) {
+  if (consumer_thread < Cfg::kScorerThreads) {
     consume(std::integral_constant<int, 0>{});
   } else {
     consume(std::integral_constant<int, 1>{});

@@ -16,24 +16,29 @@
 
 namespace jsmla::cuda::hopper {
 
-// Descriptor of a shared-memory operand in the 128-byte swizzled layout (swizzle atoms of 8 rows of
-// 128 bytes, 1024-byte aligned). K-major: `leading` is unused, `stride` is the byte distance between
-// 8-row groups. MN-major: `leading` is the byte distance between 64-element column blocks, `stride`
-// the distance between 8-row groups along K. Kept as two 32-bit halves: moving the start address by
-// `bytes` only adds bytes >> 4 to the low half (the 14-bit address field of a shared-memory address
-// never carries into the next field), one instruction where a 64-bit add takes two, and the halves
-// stay in uniform registers when the address is warp-uniform.
+// Descriptor of a shared-memory operand in a swizzled layout: the 128-byte one (atoms of 8 rows of
+// 128 bytes, 1024-byte aligned; the 16-byte chunk c of row r at c ^ (r % 8)) or the 64-byte one (atoms
+// of 8 rows of 64 bytes, 512-byte aligned; chunk c of row r at c ^ ((r / 2) % 4)). K-major: `leading`
+// is unused, `stride` is the byte distance between 8-row groups. MN-major: `leading` is the byte
+// distance between 64-element column blocks, `stride` the distance between 8-row groups along K. Kept
+// as two 32-bit halves: moving the start address by `bytes` only adds bytes >> 4 to the low half (the
+// 14-bit address field of a shared-memory address never carries into the next field), one
+// instruction where a 64-bit add takes two, and the halves stay in uniform registers when the address
+// is warp-uniform.
 struct SmemDescriptor {
   uint32_t lo;  // start address >> 4, leading byte offset >> 4 (bits 16..29)
-  uint32_t hi;  // stride byte offset >> 4, swizzle mode (128 B: bit 30)
+  uint32_t hi;  // stride byte offset >> 4, swizzle mode (bits 30..31: 1 = 128 B, 2 = 64 B)
 
   JSMLA_DEVICE SmemDescriptor offset(uint32_t bytes) const { return SmemDescriptor{lo + (bytes >> 4), hi}; }
 };
 
-JSMLA_DEVICE SmemDescriptor smem_descriptor(const void* start, uint32_t leading, uint32_t stride) {
+enum class Swizzle : uint32_t { k128B = 1, k64B = 2 };
+
+JSMLA_DEVICE SmemDescriptor smem_descriptor(const void* start, uint32_t leading, uint32_t stride,
+                                            Swizzle swizzle = Swizzle::k128B) {
   const uint32_t address = shared_address(start);
   return SmemDescriptor{((address & 0x3FFFF) >> 4) | (((leading & 0x3FFFF) >> 4) << 16),
-                        ((stride & 0x3FFFF) >> 4) | (1u << 30)};
+                        ((stride & 0x3FFFF) >> 4) | (static_cast<uint32_t>(swizzle) << 30)};
 }
 
 JSMLA_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -100,6 +105,31 @@ JSMLA_DEVICE void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], S
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.lo), "r"(b.hi), "r"(1));
+}
+
+// d[64x256] += A[64x16] · B[16x256]: A in shared memory K-major, B in shared memory MN-major
+// (transposed), BF16 in, FP32 accumulators.
+JSMLA_DEVICE void wgmma_m64n256k16_ss(float (&d)[128], SmemDescriptor a, SmemDescriptor b) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %132, 0;\nmov.b64 da, {%128, %129};\nmov.b64 db, {%130, %131};\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, da, db, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(1));
 }
 
 }  // namespace jsmla::cuda::hopper

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Side-by-side timing of kernel source trees on one GPU: builds the standalone kernel check
+# (kernels/cuda/tests/portable_check.cu, CMake's jsmla_cuda library) of the working tree and of every
+# tree given, runs each one's `--headline` cases (every case checked against the float64 reference and
+# for bitwise determinism, then timed), the working tree's `--quick` correctness matrix, and prints the
+# rows side by side with each tree's time relative to the first tree given (the baseline).
+#
+#   bash benchmarks/ab_kernels.sh .ab/base .ab/variant ...   # trees: copies of the repository
+#
+# The working tree runs first and again last, so the table shows how far the clocks drifted. With
+# AB_RACECHECK=1 every tree's `--sanitize` cases also run under compute-sanitizer racecheck. Logs go to
+# $OUT (default /tmp/jsmla_ab).
+set -uo pipefail
+out=${OUT:-/tmp/jsmla_ab}
+mkdir -p "$out"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+names=(head)
+dirs=("$repo")
+for t in "$@"; do
+  names+=("$(basename "$t")")
+  dirs+=("$(cd "$t" && pwd)")
+done
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
+
+build_tree() {  # name dir
+  local build=/tmp/jsmla_ab_build_$1
+  (cd "$2" && cmake -S . -B "$build" -G Ninja -DJSMLA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real \
+      -DPython_EXECUTABLE="$(command -v python3)" && cmake --build "$build" -j"$(nproc)" --target jsmla_cuda &&
+    nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
+      kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc "$build/libjsmla_cuda.a" -o "$build/portable_check") \
+    > "$out/build_$1.log" 2>&1
+}
+
+start=$(date +%s)
+for i in "${!names[@]}"; do
+  if ! build_tree "${names[$i]}" "${dirs[$i]}"; then
+    echo "${names[$i]}: BUILD FAILED"
+    grep -E "error" "$out/build_${names[$i]}.log" | head -20
+    exit 1
+  fi
+done
+echo "builds: $(( $(date +%s) - start )) s"
+
+status=0
+run_headline() {  # name log
+  timeout "${AB_TIMEOUT:-150}" "/tmp/jsmla_ab_build_$1/portable_check" --headline > "$out/$2" 2>&1 || status=1
+}
+for i in "${!names[@]}"; do run_headline "${names[$i]}" "headline_${names[$i]}.log"; done
+run_headline head headline_head_again.log
+timeout "${AB_QUICK_TIMEOUT:-200}" /tmp/jsmla_ab_build_head/portable_check --quick > "$out/quick_head.log" 2>&1 || status=1
+echo "head --quick: $(grep -cE " PASS" "$out/quick_head.log") PASS, $(grep -cE " FAIL" "$out/quick_head.log") FAIL; $(tail -1 "$out/quick_head.log")"
+
+if [ "${AB_RACECHECK:-0}" = 1 ]; then
+  for n in "${names[@]}"; do
+    timeout "${AB_SANITIZE_TIMEOUT:-120}" compute-sanitizer --tool racecheck --racecheck-report all --print-limit 5 \
+      "/tmp/jsmla_ab_build_$n/portable_check" --sanitize > "$out/racecheck_$n.log" 2>&1
+    echo "$n racecheck: exit $? :: $(grep -E "RACECHECK SUMMARY" "$out/racecheck_$n.log" | tr '\n' ' ')"
+  done
+fi
+
+python3 - "$out" "${names[@]}" <<'EOF'
+import re, sys
+out, names = sys.argv[1], sys.argv[2:]
+row = re.compile(r"^(.+?)\s+((?:H )?(?:decode|prefill) hpb=.*?)\s+(PASS|FAIL)\s+([0-9.]+) us")
+def rows(log):
+    table = {}
+    try:
+        for line in open(f"{out}/{log}"):
+            m = row.match(line)
+            if m: table[(m.group(1).strip(), m.group(2).strip())] = (m.group(3), float(m.group(4)))
+    except FileNotFoundError:
+        pass
+    return table
+runs = [(n, rows(f"headline_{n}.log")) for n in names] + [("head again", rows("headline_head_again.log"))]
+keys = list(runs[0][1]) or [k for _, r in runs for k in r]
+base = runs[1][1] if len(runs) > 2 else runs[0][1]
+print("| case | plan | " + " | ".join(n for n, _ in runs) + " |")
+print("|---|---|" + "---|" * len(runs))
+for k in keys:
+    cells = []
+    for n, r in runs:
+        if k not in r: cells.append("—"); continue
+        ok, us = r[k]
+        ratio = f" ({us / base[k][1]:.2f})" if k in base and base[k][1] > 0 else ""
+        cells.append(f"{us:.1f}{ratio}{'' if ok == 'PASS' else ' FAIL'}")
+    print(f"| {k[0]} | {k[1]} | " + " | ".join(cells) + " |")
+EOF
+echo "ab: status $status, $(( $(date +%s) - start )) s"
+(cd "$out" && tar czf logs.tgz --remove-files ./*.log 2>/dev/null)
+exit $status
