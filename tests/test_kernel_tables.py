@@ -46,12 +46,13 @@ def test_contract_values():
 
 
 def test_shared_memory_sizes_as_compiled():
-    # The values the kernels were tuned with (a layout change in config.h shows up here).
+    # The sizes the configs lay out (the Hopper ones since the consumer split); a layout change in a
+    # config.h shows up here.
     assert kernel_tables.KERNELS[("dsv3_2", 16)].shared_bytes == 68224
     assert kernel_tables.KERNELS[("dsv3_2", 64)] == kernel_tables.KernelConfig(256, 32, 78464)
     assert kernel_tables.KERNELS[("dots3_swa", 32)] == kernel_tables.KernelConfig(256, 16, 65856)
-    assert kernel_tables.HOPPER_KERNELS[("dsv3_2", 64)] == kernel_tables.KernelConfig(384, 32, 230656)
-    assert kernel_tables.HOPPER_KERNELS[("dsv4", 64)].shared_bytes == 206080
+    assert kernel_tables.HOPPER_KERNELS[("dsv3_2", 64)] == kernel_tables.KernelConfig(384, 32, 207104)
+    assert kernel_tables.HOPPER_KERNELS[("dsv4", 64)].shared_bytes == 182528
 
 
 @pytest.mark.parametrize("num_splits,tokens,heads,d_v", [(1, 1, 1, 512), (32, 1, 128, 512), (4, 7, 3, 1024)])
