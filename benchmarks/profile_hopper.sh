@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Where the Hopper kernels' time goes at the headline shape (dsv3_2, T = 128, H = 128, topk = 2048),
+# beside FlashMLA's SM90 decode kernel on the same shape, on a GPU machine: ncu speed-of-light, compute
+# and memory workload (shared-memory wavefronts), warp-state and instruction statistics of our split
+# kernel (decode, one split) and prefill kernel (`portable_check --profile`) and of FlashMLA's
+# `flash_fwd_splitkv_mla_fp8_sparse_kernel` (`benchmarks/flashmla_anchor.py 128 128`, when its sources
+# are in $JSMLA_FLASHMLA_SRC, default .anchors/flashmla), then the hottest SASS lines by stall reason of
+# each. The standalone headline timings come first (every case checked). Output: $OUT (default
+# /tmp/jsmla_profile_hopper); a side-by-side summary is printed last.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-/tmp/jsmla_profile_hopper}
+mkdir -p "$out"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+flashmla_src=${JSMLA_FLASHMLA_SRC:-$repo/.anchors/flashmla}
+if [ -f "$flashmla_src/setup_sm90.py" ]; then
+  (cd "$flashmla_src" && MAX_JOBS=8 NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
+     python3 setup_sm90.py build_ext --inplace > "$out/flashmla_build.log" 2>&1) &
+fi
+build=/tmp/jsmla_profile_hopper_build
+(cd "$repo" && BUILD=$build SKIP_SANITIZE=1 OUT="$out/check" \
+   bash kernels/cuda/tests/build_and_check.sh --headline > "$out/headline.log" 2>&1)
+grep -E "us .*TFLOP" "$out/headline.log"
+
+sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
+  --section WarpStateStats --section SourceCounters --section InstructionStats --section LaunchStats"
+profile() {  # name, kernel regex, launches to skip, launches to profile, command...
+  local name=$1 regex=$2 skip=$3 count=$4
+  shift 4
+  ncu --clock-control none $sections -k "regex:$regex" --launch-skip "$skip" --launch-count "$count" \
+    -o "$out/$name" -f "$@" > "$out/ncu_$name.log" 2>&1 || { echo "$name: ncu failed"; tail -5 "$out/ncu_$name.log"; return; }
+  ncu -i "$out/$name.ncu-rep" --page details > "$out/${name}_details.txt" 2>&1
+  ncu -i "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/${name}_src.csv" 2>/dev/null
+  echo "== hottest SASS lines: $name"
+  python3 "$repo/kernels/cuda/tests/top_stalls.py" "$out/${name}_src.csv" 15 | tail -17
+}
+profile ours sparse_mla_hopper 0 4 "$build/portable_check" --profile  # decode (1 split), then prefill; each run twice (determinism)
+wait
+if [ -d "$flashmla_src/flash_mla" ] && ls "$flashmla_src"/flash_mla/cuda*.so > /dev/null 2>&1; then
+  (cd /tmp && export PYTHONPATH="$flashmla_src" && profile flashmla flash_fwd_splitkv_mla_fp8_sparse 2 1 \
+     python3 "$repo/benchmarks/flashmla_anchor.py" 128 128)
+else
+  echo "FlashMLA not built:"; tail -3 "$out/flashmla_build.log" 2>/dev/null
+fi
+
+python3 - "$out" <<'EOF'
+import os, re, sys
+out = sys.argv[1]
+wanted = ["Duration", "Elapsed Cycles", "Compute (SM) Throughput", "Memory Throughput", "Executed Ipc Active",
+          "Issue Slots Busy", "Warp Cycles Per Issued Instruction", "Executed Instructions", "Registers Per Thread",
+          "Dynamic Shared Memory Per Block", "Threads"]
+def kernels(path):
+    """[(kernel header, {metric: value})] from an ncu details page."""
+    found, current = [], None
+    for line in open(path, errors="replace"):
+        if re.match(r"^\s{2}\S.*\(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)", line):
+            current = (line.strip()[:70], {})
+            found.append(current)
+        elif current is not None:
+            m = re.match(r"^\s{4}(\S.*?)\s{2,}(\S+)\s+([\d.,]+)\s*$", line)
+            if m and m.group(1) in wanted and m.group(1) not in current[1]:
+                current[1][m.group(1)] = f"{m.group(3)} {m.group(2)}"
+            elif "Shared" in line and "Wavefronts" not in line and re.search(r"\d", line) and len(line) < 200:
+                current[1].setdefault("shared rows", []).append(re.sub(r"\s+", " ", line.strip()))
+    return found
+for name in ("ours", "flashmla"):
+    path = os.path.join(out, f"{name}_details.txt")
+    if not os.path.exists(path):
+        continue
+    for header, metrics in kernels(path):
+        print(f"== {name}: {header}")
+        for key in wanted:
+            if key in metrics:
+                print(f"   {key:38s} {metrics[key]}")
+        for row in metrics.get("shared rows", [])[:6]:
+            print(f"   {row[:150]}")
+EOF
