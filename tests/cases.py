@@ -229,6 +229,27 @@ def make_case(rng, key: str, *, num_tokens: int = 3, num_heads: int = 4, topk: i
     return case.poison_unused() if poison else case
 
 
+def rising_max_case(rng, key: str, *, num_heads: int):
+    """Every head sees its candidates in ascending score order, ``sm_scale`` chosen so that each
+    32-candidate tile's max exceeds the previous tile's by more than the kernels' lazy-max lag (8 in
+    log2 units): the running max moves and the output accumulators are rescaled on every tile (on the
+    Hopper kernels: on both halves of d_v)."""
+    case = make_case(rng, key, num_tokens=2, num_heads=num_heads, topk=256, cache_tokens=700,
+                     topk_length=None, invalid_fraction=0.0, poison=False)
+    q = np.broadcast_to(case.q[:, :1], case.q.shape).copy()  # one query per token, every head
+    keys = case.main.keys()
+    indices = np.stack([rng.choice(case.main.num_slots, 256, replace=False) for _ in range(2)]).astype(np.int32)
+    steps = []
+    for t in range(2):
+        scores = keys[indices[t]] @ q[t, 0].astype(np.float64)
+        order = np.argsort(scores, kind="stable")
+        indices[t] = indices[t][order]
+        steps.append(np.diff(scores[order].reshape(-1, 32).max(axis=1)))
+    # The smallest rise of a tile's max becomes 9 in the kernels' log2 domain (the lag is 8).
+    sm_scale = 9.0 / np.log2(np.e) / float(np.min(steps))
+    return dataclasses.replace(case, q=q, indices=indices, sm_scale=sm_scale)
+
+
 EMPTY_ROWS = 5  # rows of empty_rows_case without a valid candidate
 
 

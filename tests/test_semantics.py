@@ -375,3 +375,15 @@ def test_batch_invariant_rows_do_not_depend_on_the_batch(rng, key):
         out_t, lse_t = cases.call_sparse_mla(case.q[t: t + 1], case.main.array, case.indices[t: t + 1], **alone)
         np.testing.assert_array_equal(out_t[0].view(np.uint16), out[t].view(np.uint16))
         np.testing.assert_array_equal(lse_t[0], lse[t])
+
+
+@pytest.mark.parametrize("key", ["dsv3_2", "bf16_576", "dsv4_nvfp4"])
+def test_running_max_moves_on_every_tile(rng, key):
+    """Ascending scores spread so that the running max rises on every 32-candidate tile."""
+    case = cases.rising_max_case(rng, key, num_heads=16)
+    keys = case.main.keys()
+    for t in range(case.q.shape[0]):
+        scores = keys[case.indices[t]] @ case.q[t, 0].astype(np.float64) * case.sm_scale * np.log2(np.e)
+        assert np.all(np.diff(scores.reshape(-1, 32).max(axis=1)) > 8.0)
+    for impl in ("auto", "xla"):
+        case.check(impl)

@@ -70,31 +70,11 @@ def test_hopper_formats_match_oracle_sanitize(rng, key, impl):
     case.check(impl)
 
 
-def rising_max_case(rng, key: str, *, num_heads: int):
-    """Every head sees its candidates in ascending score order, the scores spread so widely that the
-    running max moves (by more than the lazy-max lag) on almost every tile: each tile rescales the
-    output accumulators, on both halves of d_v."""
-    case = cases.make_case(rng, key, num_tokens=2, num_heads=num_heads, topk=256, cache_tokens=700,
-                           topk_length=None, invalid_fraction=0.0, poison=False)
-    q = np.broadcast_to(case.q[:, :1], case.q.shape).copy()  # one query per token, every head
-    keys = case.main.keys()
-    indices = np.stack([rng.choice(case.main.num_slots, 256, replace=False) for _ in range(2)]).astype(np.int32)
-    steps = []
-    for t in range(2):
-        scores = keys[indices[t]] @ q[t, 0].astype(np.float64)
-        order = np.argsort(scores, kind="stable")
-        indices[t] = indices[t][order]
-        steps.append(np.diff(scores[order].reshape(-1, 32).max(axis=1)))
-    # The smallest rise of a tile's max becomes 9 in the kernels' log2 domain (the lag is 8).
-    sm_scale = 9.0 / np.log2(np.e) / float(np.min(steps))
-    return dataclasses.replace(case, q=q, indices=indices, sm_scale=sm_scale)
-
-
 @gpu
 @pytest.mark.parametrize("impl", VARIANTS)
 @pytest.mark.parametrize("key,num_heads", [("dsv3_2", 128), ("bf16_576", 128), ("dsv4_nvfp4", 64), ("dsv3_2", 16)])
 def test_running_max_moves_on_every_tile(rng, key, num_heads, impl):
-    rising_max_case(rng, key, num_heads=num_heads).check(impl)
+    cases.rising_max_case(rng, key, num_heads=num_heads).check(impl)
 
 
 @gpu
