@@ -8,7 +8,8 @@
 #   bash benchmarks/ab_kernels.sh .ab/base .ab/variant ...   # trees: copies of the repository
 #
 # The working tree runs first and again last, so the table shows how far the clocks drifted. With
-# AB_RACECHECK=1 every tree's `--sanitize` cases also run under compute-sanitizer racecheck. Logs go to
+# AB_QUICK_ALL=1 every tree runs the `--quick` matrix (not only the working tree); with AB_RACECHECK=1
+# every tree's `--sanitize` cases also run under compute-sanitizer racecheck. Logs go to
 # $OUT (default /tmp/jsmla_ab).
 set -uo pipefail
 out=${OUT:-/tmp/jsmla_ab}
@@ -47,8 +48,12 @@ run_headline() {  # name log
 }
 for i in "${!names[@]}"; do run_headline "${names[$i]}" "headline_${names[$i]}.log"; done
 run_headline head headline_head_again.log
-timeout "${AB_QUICK_TIMEOUT:-200}" /tmp/jsmla_ab_build_head/portable_check --quick > "$out/quick_head.log" 2>&1 || status=1
-echo "head --quick: $(grep -cE " PASS" "$out/quick_head.log") PASS, $(grep -cE " FAIL" "$out/quick_head.log") FAIL; $(tail -1 "$out/quick_head.log")"
+quick_trees=(head)
+[ "${AB_QUICK_ALL:-0}" = 1 ] && quick_trees=("${names[@]}")
+for n in "${quick_trees[@]}"; do
+  timeout "${AB_QUICK_TIMEOUT:-200}" "/tmp/jsmla_ab_build_$n/portable_check" --quick > "$out/quick_$n.log" 2>&1 || status=1
+  echo "$n --quick: $(grep -cE " PASS" "$out/quick_$n.log") PASS, $(grep -cE " FAIL" "$out/quick_$n.log") FAIL; $(tail -1 "$out/quick_$n.log")"
+done
 
 if [ "${AB_RACECHECK:-0}" = 1 ]; then
   for n in "${names[@]}"; do
