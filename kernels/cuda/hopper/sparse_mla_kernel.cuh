@@ -7,7 +7,8 @@
 //   convert staging b into tile buffer b; fence.proxy.async; arrive full[b];
 //   issue the gather of tile i + 2 into staging b; read the indices of tile i + 3.
 // Scorer, per tile: wait full[b]; S = Q·Kᵀ (kDqk/16 wgmmas); softmax; P and the rows' rescale
-// factors into shared memory, arrive p_ready[b]; O[:, first half] += P·V (2 wgmmas); arrive empty[b].
+// factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half] += P·V (2 wgmmas);
+// arrive empty[b].
 // Warpgroup 2, per tile: wait p_ready[b]; rescale; O[:, second half] += P·V (2 wgmmas, P from shared
 // memory); arrive empty[b]. The conversion of tile i + 1 and the gathers of tiles i + 2 and i + 3
 // overlap the MMAs of tile i; warpgroup 2's P·V of tile i overlaps the scorer's S of tile i + 1.
