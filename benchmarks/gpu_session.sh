@@ -60,13 +60,8 @@ fi
 echo "build: $(( $(date +%s) - start )) s"
 grep -E "registers|spill|smem" "$out/build.log" | sort -u | head -40 > "$out/ptxas.txt" || true
 
-flashmla_src=${JSMLA_FLASHMLA_SRC:-$repo/.anchors/flashmla}
-flashmla_pid=""
-if [ "$mode" = compare ] && [ -f "$flashmla_src/setup_sm90.py" ]; then
-  (cd "$flashmla_src" && MAX_JOBS=8 NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
-     python3 setup_sm90.py build_ext --inplace > "$out/flashmla_build.log" 2>&1) &
-  flashmla_pid=$!
-fi
+source "$repo/benchmarks/flashmla_build.sh"
+[ "$mode" = compare ] && start_flashmla_build
 
 cd /tmp  # import the installed package, not the source tree
 python3 -c "import jax, jax_sparse_mla as j; print('jax', jax.__version__, jax.devices(), 'cuda ext:', j.cuda_available())"

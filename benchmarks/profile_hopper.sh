@@ -12,11 +12,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_profile_hopper}
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-flashmla_src=${JSMLA_FLASHMLA_SRC:-$repo/.anchors/flashmla}
-if [ -f "$flashmla_src/setup_sm90.py" ]; then
-  (cd "$flashmla_src" && MAX_JOBS=8 NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
-     python3 setup_sm90.py build_ext --inplace > "$out/flashmla_build.log" 2>&1) &
-fi
+source "$repo/benchmarks/flashmla_build.sh"
+start_flashmla_build
 build=/tmp/jsmla_profile_hopper_build
 (cd "$repo" && BUILD=$build SKIP_SANITIZE=1 OUT="$out/check" \
    bash kernels/cuda/tests/build_and_check.sh --headline > "$out/headline.log" 2>&1)
@@ -35,8 +32,7 @@ profile() {  # name, kernel regex, launches to skip, launches to profile, comman
   python3 "$repo/kernels/cuda/tests/top_stalls.py" "$out/${name}_src.csv" 15 | tail -17
 }
 profile ours sparse_mla_hopper 0 4 "$build/portable_check" --profile  # decode (1 split), then prefill; each run twice (determinism)
-wait
-if [ -d "$flashmla_src/flash_mla" ] && ls "$flashmla_src"/flash_mla/cuda*.so > /dev/null 2>&1; then
+if flashmla_ready; then
   (cd /tmp && export PYTHONPATH="$flashmla_src" && profile flashmla flash_fwd_splitkv_mla_fp8_sparse 2 1 \
      python3 "$repo/benchmarks/flashmla_anchor.py" 128 128)
 else

@@ -10,11 +10,8 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_profile}
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-flashmla_src=${JSMLA_FLASHMLA_SRC:-$repo/.anchors/flashmla}
-if [ -f "$flashmla_src/setup_sm90.py" ]; then
-  (cd "$flashmla_src" && MAX_JOBS=8 NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
-     python3 setup_sm90.py build_ext --inplace > "$out/flashmla_build.log" 2>&1) &
-fi
+source "$repo/benchmarks/flashmla_build.sh"
+start_flashmla_build
 JSMLA_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-build-isolation --no-deps "$repo" \
   -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=90a-real > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 (cd "$repo" && BUILD=/tmp/jsmla_profile_build SKIP_SANITIZE=1 OUT="$out/check" \
@@ -39,8 +36,7 @@ ncu -i "$out/small.ncu-rep" --page details > "$out/small_details.txt" 2>&1
 grep -E "Duration|Warp Cycles Per Issued|Issued Warp|Memory Throughput|Compute \(SM\)" "$out/small_details.txt" | head -8
 ncu -i "$out/small.ncu-rep" --page source --csv --print-source sass > "$out/small_src.csv" 2>/dev/null
 python3 "$repo/kernels/cuda/tests/top_stalls.py" "$out/small_src.csv" 25
-wait
-if [ -d "$flashmla_src/flash_mla" ] && ls "$flashmla_src"/flash_mla/cuda*.so > /dev/null 2>&1; then
+if flashmla_ready; then
   for shape in $shapes; do
     tokens=${shape%:*} heads=${shape#*:}
     PYTHONPATH="$flashmla_src" kernel_times python3 "$repo/benchmarks/flashmla_anchor.py" $tokens $heads \
