@@ -69,13 +69,12 @@ def test_hopper_kernels_serve_portable_plans():
         assert config.candidate_tile == kernel_tables.KERNELS[key].candidate_tile
 
 
-def test_hopper_formats_are_the_576_and_512_wide_formats_without_arbitrary_scales():
-    # scale_kind 1: FP32 scales, served only when they are powers of two (pow2_scales); the others (none,
-    # UE8M0, E4M3 for FP4) are applied exactly in BF16.
+def test_hopper_formats_are_the_576_and_512_wide_formats():
+    # Every 512/576-wide format with d_v 512: scales of every kind (arbitrary FP32 ones in groups that
+    # tile each consumer's 256 columns); dots3_swa's 1088-wide rows stay on the portable family.
     served = {fmt for fmt, _ in kernel_tables.HOPPER_KERNELS}
-    expected = {key for key, f in jsm.FORMATS.items()
-                if f.d_qk in (512, 576) and f.d_v == 512 and (f.scale_kind != 1 or f.pow2_scales)}
-    assert {"dsv4_nvfp4", "dsv4_1_fp4"} <= served
+    expected = {key for key, f in jsm.FORMATS.items() if f.d_qk in (512, 576) and f.d_v == 512}
+    assert {"dsv4_nvfp4", "dsv4_1_fp4", "glm_nsa", "glm53_nope"} <= served
     assert served == expected
 
 
@@ -85,7 +84,8 @@ def test_hopper_formats_are_the_576_and_512_wide_formats_without_arbitrary_scale
     ("dsv3_2", 64, 80, 166912, "portable"),            # A100
     ("dsv3_2", 64, 120, 101376, "portable"),           # sm_120: no wgmma
     ("dsv3_2", 64, 90, 100000, "portable"),            # not enough shared memory
-    ("glm_nsa", 64, 90, H200_SHARED, "portable"),      # arbitrary FP32 scales
+    ("glm_nsa", 64, 90, H200_SHARED, "hopper"),        # arbitrary FP32 scales, applied in FP32
+    ("glm_nsa", 16, 90, H200_SHARED, "portable"),
     ("dots3_swa", 32, 90, H200_SHARED, "portable"),
     ("bf16_512", 64, 90, H200_SHARED, "hopper"),
 ])

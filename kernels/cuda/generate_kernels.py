@@ -31,8 +31,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: formats its producer handles (hopper/config.h: hopper_format).
 INSTANCES = {
     "dsv3_2": ("kDsv32", {"portable": (16, 64), "hopper": (64,)}),
-    "glm_nsa": ("kGlmNsa", {"portable": (16, 64)}),
-    "glm53_nope": ("kGlm53Nope", {"portable": (16, 64)}),
+    "glm_nsa": ("kGlmNsa", {"portable": (16, 64), "hopper": (64,)}),
+    "glm53_nope": ("kGlm53Nope", {"portable": (16, 64), "hopper": (64,)}),
     "dsv4": ("kDsv4", {"portable": (16, 64), "hopper": (64,)}),
     "dsv4_1": ("kDsv41", {"portable": (16, 64), "hopper": (64,)}),
     "dots3_swa": ("kDots3Swa", {"portable": (16, 32)}),

@@ -26,6 +26,8 @@
 
 #define JSMLA_HOPPER_KERNELS(X) \
   X(kDsv32, 64) \
+  X(kGlmNsa, 64) \
+  X(kGlm53Nope, 64) \
   X(kDsv4, 64) \
   X(kDsv41, 64) \
   X(kBf16_576, 64) \

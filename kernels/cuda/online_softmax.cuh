@@ -10,6 +10,20 @@
 
 namespace jsmla::cuda {
 
+// Exact scales: multiplies this thread's score columns (the m16n8 layout above) by per-candidate factors,
+// `column_factor[c]` for column c.
+template <int kTiles>
+JSMLA_DEVICE void scale_score_columns(float (&score)[kTiles][4], const float* column_factor, int lane) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const float2 f = *reinterpret_cast<const float2*>(column_factor + 8 * i + 2 * (lane % 4));
+    score[i][0] *= f.x;
+    score[i][1] *= f.y;
+    score[i][2] *= f.x;
+    score[i][3] *= f.y;
+  }
+}
+
 struct RunningSoftmax {
   // A row's running max moves only when a tile's max exceeds it by more than kMaxLag (log2 domain).
   // Until then P = 2^(s - max) stays below 2^kMaxLag — harmless for the FP32 sums and accumulators and

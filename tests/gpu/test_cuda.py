@@ -72,7 +72,8 @@ def test_hopper_formats_match_oracle_sanitize(rng, key, impl):
 
 @gpu
 @pytest.mark.parametrize("impl", VARIANTS)
-@pytest.mark.parametrize("key,num_heads", [("dsv3_2", 128), ("bf16_576", 128), ("dsv4_nvfp4", 64), ("dsv3_2", 16)])
+@pytest.mark.parametrize("key,num_heads", [("dsv3_2", 128), ("bf16_576", 128), ("dsv4_nvfp4", 64), ("glm_nsa", 128),
+                                           ("glm53_nope", 64), ("dsv3_2", 16)])
 def test_running_max_moves_on_every_tile(rng, key, num_heads, impl):
     cases.rising_max_case(rng, key, num_heads=num_heads).check(impl)
 

@@ -24,11 +24,14 @@ namespace jsmla::cuda::hopper {
 // Shared memory per block on sm_90 (opt-in maximum).
 inline constexpr int kMaxSharedBytes = 227 * 1024;
 
-// Formats the family serves: 512/576-wide FP8, FP4 or BF16 rows with power-of-two, E4M3 or no scales
-// (arbitrary FP32 scales and the 1088-wide rows stay on the portable family).
+// Formats the family serves: 512/576-wide FP8, FP4 or BF16 rows with power-of-two, E4M3, UE8M0 or
+// arbitrary FP32 scales (the latter in groups that tile each consumer's half of d_v; the 1088-wide rows
+// stay on the portable family).
 constexpr bool hopper_format(FormatId id) {
   const FormatTraits f = format_traits(id);
-  return (f.d_qk == 512 || f.d_qk == 576) && f.d_v == 512 && !(f.scale_kind == ScaleKind::kFp32 && !f.pow2_scales);
+  const bool exact_scales = f.scale_kind == ScaleKind::kFp32 && !f.pow2_scales;
+  return (f.d_qk == 512 || f.d_qk == 576) && f.d_v == 512 &&
+         (!exact_scales || (f.group_size % 16 == 0 && 256 % f.group_size == 0));
 }
 
 template <FormatId kFormat, int kHeadTileValue>
@@ -51,31 +54,40 @@ struct HopperConfig {
   using Geometry = LoaderGeometry<kFormat, kCandidateTile, kProducerThreads>;
   // Staged units a producer thread loads before converting them (bounded by its registers).
   static constexpr int kConvertBatch = 10;
+  // Arbitrary FP32 scales (glm_*): the tile holds FP8 × 2^e, and the consumers apply each candidate's
+  // mantissas in FP32 — to S group by group (chained ratios), to P once per group of V columns, so a
+  // consumer's half of d_v runs as kPVariants m64n(256 / kPVariants) wgmmas, each with its own P.
+  static constexpr bool kExactScales = Geometry::kExactScales;
+  static constexpr int kGroupKSteps = kExactScales ? kF.group_size / 16 : 0;   // k16 steps per scale group
+  static constexpr int kPVariants = kExactScales ? kDvPerGroup / kF.group_size : 1;
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;
   //   two BF16 KV tiles [kDqk/64][32 candidates][128 B], swizzled;
-  //   two P buffers [64 heads][32 candidates] BF16 in the 64-byte swizzled layout (K-major A of wgmma);
+  //   two P buffers [kPVariants][64 heads][32 candidates] BF16 in the 64-byte swizzled layout (K-major A
+  //   of wgmma): the second consumer's P, one variant per scale group of its columns;
   //   two staging areas of raw rows, two sets of per-thread scale slots, two score-bias rows, two rows
-  //   of rescale factors, the final row maxima and sums.
+  //   of rescale factors, the final row maxima and sums, two stages of per-candidate mantissas and
+  //   ratios (exact scales only).
   static constexpr int kQBytes = kHeadTile * kDqk * 2;
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
   static constexpr int kTileBytes = kCandidateTile * kDqk * 2;
   static constexpr int kTileBlockBytes = kCandidateTile * kAtomBytes;  // one 64-column block of a tile
   static constexpr int kPRowBytes = kCandidateTile * 2;                // one 64-byte swizzle row
-  static constexpr int kPBytes = kHeadTile * kPRowBytes;
+  static constexpr int kPBytes = kHeadTile * kPRowBytes;  // one P variant of one buffer
   static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kProducerThreads * Geometry::kScaleSlotBytes : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
   static constexpr int kRescaleBytes = kHeadTile * 4;                  // one factor per head row
   static constexpr int kFinalBytes = 2 * kHeadTile * 4;                // max and sum per head row
+  static constexpr int kFactorBytes = Geometry::kFactorFloats * 4;     // one stage's mantissas and ratios
   // Staged rows preferably sit an odd multiple of 64 bytes apart: a warp's cp.async (and later its
   // shared-memory loads) covers 8 rows × 64 contiguous bytes, which then fall into alternating halves
   // of the 32 banks, 4 wavefronts per instruction (a pitch that is a multiple of 128 bytes puts all 8
   // rows on the same 16 banks, 4 times the wavefronts).
   static constexpr int kPaddedPitch = (Geometry::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
   static constexpr bool fits(int pitch) {
-    return kQBytes + 2 * kTileBytes + 2 * kPBytes + 2 * kCandidateTile * pitch + 2 * kScaleSlotsBytes +
-               2 * kBiasBytes + 2 * kRescaleBytes + kFinalBytes + 1024 <=
+    return kQBytes + 2 * kTileBytes + 2 * kPVariants * kPBytes + 2 * kCandidateTile * pitch + 2 * kScaleSlotsBytes +
+               2 * kBiasBytes + 2 * kRescaleBytes + kFinalBytes + 2 * kFactorBytes + 1024 <=
            kMaxSharedBytes;
   }
   static constexpr int kStagePitch = fits(kPaddedPitch) ? kPaddedPitch : Geometry::kStagedRowBytes;
@@ -84,12 +96,13 @@ struct HopperConfig {
   static constexpr int kQOffset = 0;
   static constexpr int kTileOffset = kQOffset + kQBytes;
   static constexpr int kPOffset = kTileOffset + 2 * kTileBytes;
-  static constexpr int kStageOffset = kPOffset + 2 * kPBytes;
+  static constexpr int kStageOffset = kPOffset + 2 * kPVariants * kPBytes;
   static constexpr int kScaleSlotsOffset = kStageOffset + 2 * kStageBytes;
   static constexpr int kBiasOffset = kScaleSlotsOffset + 2 * kScaleSlotsBytes;
   static constexpr int kRescaleOffset = kBiasOffset + 2 * kBiasBytes;
   static constexpr int kFinalOffset = kRescaleOffset + 2 * kRescaleBytes;
-  static constexpr int kUsedBytes = kFinalOffset + kFinalBytes;
+  static constexpr int kFactorOffset = kFinalOffset + kFinalBytes;
+  static constexpr int kUsedBytes = kFactorOffset + 2 * kFactorBytes;
   static constexpr int kSharedBytes = kUsedBytes + 1024;  // slack to align the base to 1024 bytes
 
   // Named barriers (0 is __syncthreads).
@@ -109,14 +122,18 @@ struct HopperConfig {
   static_assert(kProducerThreads % kCandidateTile == 0, "every tile row gets the same number of producer threads");
   static_assert(Geometry::kThreadsPerRow * 16 == 64, "a warp stages 8 rows × 64 bytes per cp.async (kPaddedPitch)");
   static_assert(kStagePitch >= Geometry::kStagedRowBytes && kStagePitch % 16 == 0, "staged rows must not overlap");
-  static_assert(!Geometry::kExactScales, "arbitrary FP32 scales are not served by this family");
+  static_assert(!kExactScales || (kF.group_size > 0 && kDvPerGroup % (kF.group_size > 0 ? kF.group_size : 1) == 0 &&
+                                  kF.group_size % 16 == 0 &&
+                                  kF.quant_dim == kF.d_v && kF.layout == Layout::kInline),
+                "exact scales: whole groups per consumer half and per k16 step, the groups spanning V");
   static_assert(kQOffset % 1024 == 0 && kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 &&
                     kQBlockBytes % 1024 == 0 && kTileBlockBytes % 1024 == 0,
                 "128-byte swizzled operands must start on 1024-byte boundaries");
   static_assert(kPOffset % 512 == 0 && kPBytes % 512 == 0 && kPRowBytes == 64,
                 "P buffers are whole 64-byte swizzle atoms (8 rows × 64 B) on 512-byte boundaries");
   static_assert(kStageOffset % 16 == 0 && kStageBytes % 16 == 0 && kScaleSlotsOffset % 16 == 0 &&
-                    kBiasOffset % 16 == 0 && kRescaleOffset % 16 == 0 && kFinalOffset % 16 == 0,
+                    kBiasOffset % 16 == 0 && kRescaleOffset % 16 == 0 && kFinalOffset % 16 == 0 &&
+                    kFactorOffset % 16 == 0,
                 "staging, scale slots, bias and row factors must be 16-byte aligned");
   // setmaxnreg moves registers between the warpgroups of a block: the block keeps what it was launched
   // with (65536 / kThreads per thread, in steps of 8), and an increase waits until decreases have

@@ -49,6 +49,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   uint8_t* const q_smem = smem + Cfg::kQOffset;
   float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);  // [2][kN]
   auto tile_buffer = [&](int b) { return smem + Cfg::kTileOffset + b * Cfg::kTileBytes; };
+  // Exact scales: stage b's per-candidate mantissas [group][candidate], then ratios m_g / m_{g+1}.
+  auto factors = [&](int b) { return reinterpret_cast<float*>(smem + Cfg::kFactorOffset + b * Cfg::kFactorBytes); };
 
   // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
   // results before reading them).
@@ -94,7 +96,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b), load_sub, [&](int dim, uint4 values) {
         *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
       });
-      if (load_sub == 0) score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
+      if (load_sub == 0) {
+        score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
+        if constexpr (Cfg::kExactScales) Loader::write_factors(valid, scale_slot(b), factors(b), load_row);
+      }
       fence_proxy_async_shared();
       named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
       staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
@@ -140,7 +145,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // descriptor is then a warp-uniform base plus constants, computed in uniform registers.
   float* const row_rescale = reinterpret_cast<float*>(smem + Cfg::kRescaleOffset);  // [2][kHeadTile]
   float* const final_state = reinterpret_cast<float*>(smem + Cfg::kFinalOffset);    // [max, sum][kHeadTile]
-  auto p_buffer = [&](int b) { return smem + Cfg::kPOffset + b * Cfg::kPBytes; };
+  auto p_buffer = [&](int b, int v) { return smem + Cfg::kPOffset + (b * Cfg::kPVariants + v) * Cfg::kPBytes; };
+  // The A fragment of P for k16 step kk (m16n8k16 layout): exact scales multiply P by the mantissas of
+  // scale group `scale_group` of the tile's candidates (stage b), in FP32 before the rounding to BF16.
+  auto pack_p = [&](uint32_t (&fragment)[4], const float (&p)[kN / 8][4], int kk, int scale_group, int b) {
+    float2 m_lo = make_float2(1.0f, 1.0f);
+    float2 m_hi = m_lo;
+    if constexpr (Cfg::kExactScales) {
+      const float* mantissa = factors(b) + scale_group * kN + 16 * kk + 2 * (lane % 4);
+      m_lo = *reinterpret_cast<const float2*>(mantissa);
+      m_hi = *reinterpret_cast<const float2*>(mantissa + 8);
+    }
+    fragment[0] = pack_bf16x2(p[2 * kk][0] * m_lo.x, p[2 * kk][1] * m_lo.y);
+    fragment[1] = pack_bf16x2(p[2 * kk][2] * m_lo.x, p[2 * kk][3] * m_lo.y);
+    fragment[2] = pack_bf16x2(p[2 * kk + 1][0] * m_hi.x, p[2 * kk + 1][1] * m_hi.y);
+    fragment[3] = pack_bf16x2(p[2 * kk + 1][2] * m_hi.x, p[2 * kk + 1][3] * m_hi.y);
+  };
   const int rows[2] = {16 * warp + lane / 4, 16 * warp + lane / 4 + 8};  // this thread's head rows
   auto consume = [&](auto group_constant) {
     constexpr int group = decltype(group_constant)::value;  // 0: the scorer
@@ -148,6 +168,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     float out_acc[Cfg::kOutRegisters];
 #pragma unroll
     for (int i = 0; i < Cfg::kOutRegisters; ++i) out_acc[i] = 0.0f;
+    constexpr int kV = Cfg::kPVariants;
+    constexpr int kVariantBlocks = Cfg::kDvPerGroup / kV / 64;  // 64-column tile blocks per P variant
+    constexpr int kVariantRegisters = Cfg::kOutRegisters / kV;  // accumulators per P variant
+    // The accumulators of variant v: columns [v, v + 1) · 256 / kV of this consumer's half.
+    auto variant_acc = [&](int v) -> float (&)[kVariantRegisters] {
+      return *reinterpret_cast<float(*)[kVariantRegisters]>(out_acc + v * kVariantRegisters);
+    };
+    auto pv_rs = [&](int v, const uint32_t (&p)[4], SmemDescriptor vd) {
+      if constexpr (kV == 1) {
+        wgmma_m64n256k16_rs(out_acc, p, vd);
+      } else {
+        static_assert(kV == 2, "P·V runs as one m64n256 or two m64n128 wgmmas per k16 step");
+        wgmma_m64n128k16_rs(variant_acc(v), p, vd);
+      }
+    };
+    auto pv_ss = [&](int v, SmemDescriptor pd, SmemDescriptor vd) {
+      if constexpr (kV == 1) {
+        wgmma_m64n256k16_ss(out_acc, pd, vd);
+      } else {
+        wgmma_m64n128k16_ss(variant_acc(v), pd, vd);
+      }
+    };
 
     for (int i = 0; i < tiles.count; ++i) {
       const int b = i & 1;
@@ -161,17 +203,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
         const SmemDescriptor q_descriptor = smem_descriptor(q_smem, 16, 1024);
         const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
-        wgmma_fence();
+        // k-steps [first, last) accumulate into the scores; then they are waited for.
+        auto score_steps = [&](int first, int last) {  // called with constants: unrolled whole
+          wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-          const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
-          const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-          wgmma_m64n32k16_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
-                             ks > 0 ? 1 : 0);
+          for (int ks = first; ks < last; ++ks) {
+            const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
+            const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
+            wgmma_m64n32k16_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
+                               ks > 0 ? 1 : 0);
+          }
+          wgmma_commit();
+          wgmma_wait_all();
+          fence_registers(score_registers);
+        };
+        if constexpr (Cfg::kExactScales) {
+          // Leaving group g the partial sum is multiplied by m_g / m_{g+1} (m_G = 1): after the last
+          // group it is Σ_g m_g·S_g, and the unscaled BF16 lanes after the groups add to it.
+#pragma unroll
+          for (int g = 0; g < Loader::kNumGroups; ++g) {
+            score_steps(g * Cfg::kGroupKSteps, (g + 1) * Cfg::kGroupKSteps);
+            scale_score_columns(score, factors(b) + (Loader::kNumGroups + g) * kN, lane);
+          }
+          if constexpr (Loader::kNumGroups * Cfg::kGroupKSteps < Cfg::kKSteps) {
+            score_steps(Loader::kNumGroups * Cfg::kGroupKSteps, Cfg::kKSteps);
+          }
+        } else {
+          score_steps(0, Cfg::kKSteps);
         }
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_registers(score_registers);
 
         // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
         float rescale[2];
@@ -181,24 +240,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           row_rescale[b * Cfg::kHeadTile + rows[0]] = rescale[0];
           row_rescale[b * Cfg::kHeadTile + rows[1]] = rescale[1];
         }
-        // P (BF16) as A fragments, and into P buffer b for warpgroup 2: 64-byte swizzled rows, the
-        // 8-column chunk j of row r at chunk j ^ ((r / 2) % 4).
-        uint32_t p_fragment[kN / 16][4];
-        uint8_t* const p_rows = p_buffer(b);
+        // P (BF16): this consumer's variants as A fragments, warpgroup 2's into P buffer b — 64-byte
+        // swizzled rows, the 8-column chunk j of row r at chunk j ^ ((r / 2) % 4). Exact scales: variant
+        // v of consumer c is P times the candidates' mantissas of scale group c·kPVariants + v, in FP32
+        // before the one rounding to BF16; otherwise there is one P.
+        uint32_t p_fragment[kV][kN / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < kN / 16; ++kk) {
-          p_fragment[kk][0] = pack_bf16x2(score[2 * kk][0], score[2 * kk][1]);
-          p_fragment[kk][1] = pack_bf16x2(score[2 * kk][2], score[2 * kk][3]);
-          p_fragment[kk][2] = pack_bf16x2(score[2 * kk + 1][0], score[2 * kk + 1][1]);
-          p_fragment[kk][3] = pack_bf16x2(score[2 * kk + 1][2], score[2 * kk + 1][3]);
+        for (int v = 0; v < kV; ++v) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int chunk = 2 * kk + half;
+          for (int kk = 0; kk < kN / 16; ++kk) {
+            pack_p(p_fragment[v][kk], score, kk, v, b);
+            uint32_t theirs[4];
+            pack_p(theirs, score, kk, kV + v, b);
+            uint8_t* const p_rows = p_buffer(b, v);
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int row = rows[r];
-              *reinterpret_cast<uint32_t*>(p_rows + row * Cfg::kPRowBytes + ((chunk ^ ((row / 2) % 4)) * 16) +
-                                           (lane % 4) * 4) = p_fragment[kk][2 * half + r];
+            for (int half = 0; half < 2; ++half) {
+              const int chunk = 2 * kk + half;
+#pragma unroll
+              for (int r = 0; r < 2; ++r) {
+                const int row = rows[r];
+                *reinterpret_cast<uint32_t*>(p_rows + row * Cfg::kPRowBytes + ((chunk ^ ((row / 2) % 4)) * 16) +
+                                             (lane % 4) * 4) = theirs[2 * half + r];
+              }
             }
           }
         }
@@ -208,16 +271,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         named_barrier_sync(Cfg::kPReadyBarrier + b, 2 * Cfg::kScorerThreads);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kN / 16; ++kk) wgmma_m64n256k16_rs(out_acc, p_fragment[kk], v_descriptor.offset(kk * 16 * 128));
+        for (int kk = 0; kk < kN / 16; ++kk) {
+#pragma unroll
+          for (int v = 0; v < kV; ++v) pv_rs(v, p_fragment[v][kk], v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
+        }
       } else {
         named_barrier_sync(Cfg::kPReadyBarrier + b, 2 * Cfg::kScorerThreads);
         float rescale[2] = {row_rescale[b * Cfg::kHeadTile + rows[0]], row_rescale[b * Cfg::kHeadTile + rows[1]]};
         if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
-        const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(b), 16, 8 * Cfg::kPRowBytes, Swizzle::k64B);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kN / 16; ++kk) {
-          wgmma_m64n256k16_ss(out_acc, p_descriptor.offset(kk * 32), v_descriptor.offset(kk * 16 * 128));
+#pragma unroll
+          for (int v = 0; v < kV; ++v) {
+            const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(b, v), 16, 8 * Cfg::kPRowBytes, Swizzle::k64B);
+            pv_ss(v, p_descriptor.offset(kk * 32),
+                  v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
+          }
         }
       }
       wgmma_commit();

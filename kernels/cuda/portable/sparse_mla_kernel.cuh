@@ -92,17 +92,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   // Rows lane/4 and lane/4 + 8 of the warp's 16 heads (m16n8 accumulator / A-fragment layout).
   const int head_a = head_begin + 16 * head_group + lane / 4;
   const int head_b = head_a + 8;
-  // Exact scales: multiplies this thread's score columns by per-candidate factors (a row of `factors`).
-  auto scale_columns = [&](float (&score)[Cfg::kScoreTiles][4], const float* column_factor) {
-#pragma unroll
-    for (int i = 0; i < Cfg::kScoreTiles; ++i) {
-      const float2 f = *reinterpret_cast<const float2*>(column_factor + 8 * i + 2 * (lane % 4));
-      score[i][0] *= f.x;
-      score[i][1] *= f.y;
-      score[i][2] *= f.x;
-      score[i][3] *= f.y;
-    }
-  };
 
   uint32_t q_fragment[Cfg::kKStepsPerWarp][4];
   {
@@ -152,7 +141,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
         // mantissa gives Σ_g m_g·S_g (the BF16 lanes after the groups have m = 1).
         const int group = (ks_first + ks) / Cfg::kGroupKSteps;
         if (ks > 0 && (ks_first + ks) % Cfg::kGroupKSteps == 0 && group <= Loader::kNumGroups) {
-          scale_columns(score, factors + (Loader::kNumGroups + group - 1) * kN);
+          scale_score_columns(score, factors + (Loader::kNumGroups + group - 1) * kN, lane);
         }
       }
 #pragma unroll
@@ -166,7 +155,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
 
     if constexpr (Cfg::kExactScales) {
       const int last_group = (ks_first + Cfg::kKStepsPerWarp - 1) / Cfg::kGroupKSteps;
-      if (last_group < Loader::kNumGroups) scale_columns(score, factors + last_group * kN);
+      if (last_group < Loader::kNumGroups) scale_score_columns(score, factors + last_group * kN, lane);
     }
 
     if constexpr (Cfg::kDSplits > 1) {

@@ -717,6 +717,16 @@ int main(int argc, char** argv) {
     }
     release(d);
     if (profile) return g_failed ? 1 : 0;
+    {  // glm_nsa (FP32 scales per group) on the same shape: its time per FLOP beside dsv3_2's
+      const FormatTraits& f = format_traits(FormatId::kGlmNsa);
+      HostCache glm = build_cache(f, 4096, 64, 656, 64 * 656, 1, fp8);
+      Problem prg{"glm_nsa T=128 H=128 k=2048", FormatId::kGlmNsa, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+      DeviceProblem dg = make_problem(prg, &glm, nullptr, 22);
+      run_case(dg, on_hopper(decode_plan(64, 2048, 1)), {0, 37, 127}, 15);
+      run_case(dg, on_hopper(Plan{2, 64}), {0, 37, 127}, 15);
+      release(dg);
+      cudaFree(glm.device);
+    }
     Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     for (int splits : {16, 32, 64}) {
@@ -863,8 +873,7 @@ int main(int argc, char** argv) {
     HostCache cache = build_cache(f, 64, 64, 656, 64 * 656 + 48, 2, fp8);
     Problem pr{"glm_nsa T=6 H=64 k=512 gap", FormatId::kGlmNsa, 6, 64, 512, 0, 0.0417f, true, false};
     DeviceProblem d = make_problem(pr, &cache, nullptr, 21);
-    run_case(d, decode_plan(64, 512, 3), all_tokens(6), 0);
-    run_case(d, Plan{2, 64}, all_tokens(6), 0);
+    run_on_both_families(d, decode_plan(64, 512, 3), all_tokens(6));
     release(d);
     cudaFree(cache.device);
   }
@@ -876,6 +885,8 @@ int main(int argc, char** argv) {
     DeviceProblem d = make_problem(pr, &cache, nullptr, 31);
     run_case(d, decode_plan(16, 300, 2), all_tokens(4), 0);
     run_case(d, Plan{2, 16}, all_tokens(4), 0);
+    run_case(d, on_hopper(decode_plan(64, 300, 2)), all_tokens(4), 0);  // 16 heads in a 64-head tile
+    run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
     release(d);
     cudaFree(cache.device);
   }
