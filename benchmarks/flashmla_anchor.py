@@ -132,30 +132,34 @@ def prefill(q, kv_bf16, index_sets, sm_scale, repeats, replays):
 
 
 def _profile_main(argv):
-    """``python benchmarks/flashmla_anchor.py T H``: FlashMLA's decode on a random 192 MB dsv3_2 cache, three
-    eager calls (for ncu: the last call's kernels are the measured ones)."""
-    import jax.numpy as jnp
+    """``python benchmarks/flashmla_anchor.py T H``: FlashMLA's decode on a random 172 MB V3.2 FP8 cache
+    (the ``dsv3_2`` layout: 512 e4m3 values without NaN codes, four FP32 scales of 2^-4, 64 BF16 lanes;
+    4096 pages of 64), topk 2048, three eager calls (for ncu: the last call's kernels are the measured
+    ones). PyTorch only, so it runs without jax_sparse_mla installed."""
     import torch
 
-    from jax_sparse_mla.timing import RandomCache
-
     tokens, heads = int(argv[1]), int(argv[2])
-    cache = RandomCache("dsv3_2")
-    q = cache.query(tokens, heads)
-    indices = cache.index_sets(1, tokens, 2048)
+    pages, page_size, topk = 4096, 64, 2048
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    cache = torch.empty((pages, page_size, 656), dtype=torch.uint8, device="cuda")
+    cache[..., :512] = torch.randint(0, 256, (pages, page_size, 512), dtype=torch.uint8, device="cuda",
+                                     generator=generator) & 0xF7  # exponent 1111 never occurs: no NaN
+    cache[..., 512:528] = torch.full((pages, page_size, 4), 2.0 ** -4, device="cuda").view(torch.uint8)
+    rope = 0.1 * torch.randn((pages, page_size, 64), device="cuda", generator=generator)
+    cache[..., 528:] = rope.to(torch.bfloat16).view(torch.uint8)
     import flash_mla
 
     padded = 64 if heads < 64 else heads
     q_t = torch.zeros((tokens, 1, padded, 576), dtype=torch.bfloat16, device="cuda")
-    q_t[:, 0, :heads] = _torch(q)
-    k_cache = _torch(cache.cache).view(cache.cache.shape[0], cache.cache.shape[1], 1, cache.cache.shape[2])
-    index_t = _torch(indices)[0].view(tokens, 1, -1)
+    q_t[:, 0, :heads] = torch.randn((tokens, heads, 576), device="cuda", generator=generator).to(torch.bfloat16)
+    k_cache = cache.view(pages, page_size, 1, 656)
+    index_t = torch.randint(0, pages * page_size, (tokens, 1, topk), dtype=torch.int32, device="cuda",
+                            generator=generator)
     sched, _ = flash_mla.get_mla_metadata()
     for _ in range(3):
         flash_mla.flash_mla_with_kvcache(q_t, k_cache, None, None, 512, sched, None, softmax_scale=576 ** -0.5,
                                          is_fp8_kvcache=True, indices=index_t)
     torch.cuda.synchronize()
-    del jnp
 
 
 if __name__ == "__main__":
