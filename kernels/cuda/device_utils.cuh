@@ -30,12 +30,14 @@ JSMLA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::
 // Waits until every copy this thread issued has landed; the data is then visible to this thread only.
 JSMLA_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// Synchronises `thread_count` threads (whole warps) on barrier `id` (0 is __syncthreads). bar.sync is
-// warp-aligned (a warp counts once, all its threads converged) and the compiler does not know that an
-// asm barrier needs convergence: __syncwarp() reconverges a warp that took lane-dependent branches.
+// Synchronises `thread_count` threads (whole warps) on barrier `id` (0 is __syncthreads). The
+// non-aligned barrier.sync: correct even where the compiler has not reconverged a warp that took
+// lane-dependent branches (bar.sync, the aligned form, requires a converged warp; compute-sanitizer's
+// synccheck found warps arriving divergent at the Hopper kernels' bar.sync although __syncwarp() came
+// first). Same speed at the headline shapes. __syncwarp() stays: it orders the warp's memory accesses.
 JSMLA_DEVICE void named_barrier_sync(int id, int thread_count) {
   __syncwarp();
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(thread_count) : "memory");
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(thread_count) : "memory");
 }
 
 // Signals barrier `id` without waiting (the counterpart of named_barrier_sync on the same id; warp-aligned
