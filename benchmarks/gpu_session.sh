@@ -17,6 +17,11 @@
 #                                                 # (its pure-Python needs from $JSMLA_EXTRA_WHEELS, if set)
 #   bash benchmarks/gpu_session.sh compare        # build (+ FlashMLA) + smoke tier + standalone check + the
 #                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
+#   JSMLA_TEST_ARGS='-m gpu -k backward' bash benchmarks/gpu_session.sh tests
+#                                                 # build + the pytest selection JSMLA_TEST_ARGS
+#
+# JSMLA_SESSION_TREE=<dir> builds, installs and tests another copy of the repository instead of this
+# one (e.g. a branch exported with `git archive <branch> | tar x -C .ab/<name>`, carried with .ab).
 #
 # FlashMLA (for the comparison columns): its public sources with the trimmed SM90 build recipe in
 # $JSMLA_FLASHMLA_SRC (default .anchors/flashmla, a folder the checkout ignores); built in the
@@ -25,7 +30,7 @@
 # Logs and results go to $OUT (default /tmp/jsmla_out); a short table is printed last.
 set -uo pipefail
 mode=${1:-smoke}
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "${JSMLA_SESSION_TREE:-$(dirname "$0")/..}" && pwd)
 out=${OUT:-/tmp/jsmla_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -79,6 +84,10 @@ case "$mode" in
     ;;
   full)
     run_tests -m "gpu or gpu_full" || status=1
+    ;;
+  tests)
+    # shellcheck disable=SC2086  # JSMLA_TEST_ARGS is a list of pytest arguments
+    eval "run_tests ${JSMLA_TEST_ARGS:?JSMLA_TEST_ARGS names the pytest selection}" || status=1
     ;;
   sanitize)
     # memcheck over every *sanitize* test; racecheck and synccheck (slower: every shared-memory access
