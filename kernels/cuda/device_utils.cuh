@@ -40,8 +40,9 @@ JSMLA_DEVICE void named_barrier_sync(int id, int thread_count) {
   asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(thread_count) : "memory");
 }
 
-// Signals barrier `id` without waiting (the counterpart of named_barrier_sync on the same id; warp-aligned
-// like it).
+// Signals barrier `id` without waiting (the counterpart of named_barrier_sync on the same id). bar.arrive
+// is the aligned form: __syncwarp() first reconverges the warp (synccheck reports no divergence at the
+// kernels' arrive sites; the non-aligned barrier.arrive is untried).
 JSMLA_DEVICE void named_barrier_arrive(int id, int thread_count) {
   __syncwarp();
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(thread_count) : "memory");
