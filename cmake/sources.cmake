@@ -9,6 +9,7 @@ set(JSMLA_CPU_MODULE_SOURCES
   ffi/cpu_module.cc
 )
 set(JSMLA_CUDA_SOURCES
+  kernels/cuda/backward.cu
   kernels/cuda/combine.cu
   kernels/cuda/registry.cu
   # generated CUDA instances (kernels/cuda/generate_kernels.py): begin
@@ -42,6 +43,7 @@ set(JSMLA_CUDA_SOURCES
   kernels/cuda/hopper/instances/dsv4_nvfp4_h64.cu
   kernels/cuda/hopper/instances/dsv4_1_fp4_h64.cu
   # generated CUDA instances: end
+  ffi/cuda_backward_handler.cu
   ffi/cuda_handlers.cu
 )
 set(JSMLA_CUDA_MODULE_SOURCES

@@ -8,6 +8,7 @@
 #include "ffi/target_name.h"
 #include "kernels/common/contract.h"
 #include "kernels/common/formats.h"
+#include "kernels/cuda/backward_workspace.h"
 #include "kernels/cuda/kernel_table.h"
 
 namespace nb = nanobind;
@@ -96,6 +97,15 @@ NB_MODULE(_cpu_ext, m) {
       },
       nb::arg("num_splits"), nb::arg("num_tokens"), nb::arg("num_heads"), nb::arg("d_v"),
       "Bytes of a decode call's split workspace.");
+  m.def(
+      "backward_workspace_bytes",
+      [](int64_t num_tokens, int64_t num_heads, int64_t topk, int64_t gradient_groups, int64_t num_slots,
+         bool cache_gradient) {
+        return jsmla::cuda::BackwardWorkspace::bytes(num_tokens, num_heads, topk, gradient_groups, num_slots,
+                                                     cache_gradient);
+      },
+      nb::arg("num_tokens"), nb::arg("num_heads"), nb::arg("topk"), nb::arg("gradient_groups"), nb::arg("num_slots"),
+      nb::arg("cache_gradient"), "Bytes of the CUDA backward call's workspace.");
   m.def(
       "kernel_family",
       [](int format_id, int heads_per_block, int capability, int max_shared_bytes, bool hopper_compiled) {

@@ -1,4 +1,4 @@
-// CUDA XLA FFI handler symbols.
+// CUDA XLA FFI handler symbols: the forward and the backward target.
 #pragma once
 
 #include <cstdint>
@@ -6,6 +6,7 @@
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* JsmlaSparseMlaCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* JsmlaSparseMlaBackwardCuda(XLA_FFI_CallFrame* call_frame);
 
 namespace jsmla::ffi_glue {
 // Number of times the CUDA handler has run on the host (command-buffer replays do not count).

@@ -1,4 +1,4 @@
-// The CUDA extension module: the FFI handler capsule, the handler's invocation count (for the
+// The CUDA extension module: the FFI handler capsules (forward and backward), the handler's invocation count (for the
 // command-buffer tests) and whether this build carries the Hopper family's sm_90a code.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -14,6 +14,7 @@ NB_MODULE(_cuda_ext, m) {
   m.def("registrations", []() {
     nb::dict d;
     d[jsmla::ffi_glue::kTargetName] = nb::capsule(reinterpret_cast<void*>(JsmlaSparseMlaCuda));
+    d[jsmla::ffi_glue::kBackwardTargetName] = nb::capsule(reinterpret_cast<void*>(JsmlaSparseMlaBackwardCuda));
     return d;
   });
   m.def("handler_invocations", &jsmla::ffi_glue::cuda_handler_invocations,

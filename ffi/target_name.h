@@ -1,5 +1,5 @@
-// The FFI target names: the forward both handlers register under, and the backward (the CPU handler
-// only, for now). A changed operand or attribute contract gets a new name, so that exported programs keep
+// The FFI target names: the forward and the backward, each registered by the CPU and the CUDA handler
+// (the CUDA backward takes one more result, its workspace). A changed operand or attribute contract gets a new name, so that exported programs keep
 // loading; jax_sparse_mla/_ffi.py takes them from the CPU extension.
 #pragma once
 

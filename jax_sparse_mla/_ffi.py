@@ -92,7 +92,7 @@ if _cpu_ext is None:
     raise ImportError(f"{__package__}: its compiled CPU extension (_cpu_ext) is not installed: " + _source_tree_hint())
 
 #: The versioned FFI targets (``ffi/target_name.h``; a changed attribute contract gets a new name): the
-#: forward, and the backward (CPU only, for now).
+#: forward, and the backward (the CUDA handler of which takes one more result, its workspace).
 TARGET = _cpu_ext.FORWARD_TARGET
 BACKWARD_TARGET = _cpu_ext.BACKWARD_TARGET
 
@@ -224,8 +224,8 @@ def backward_results(problem, kv_cache_shape, wrt, groups: int) -> dict:
             for name, (shape, dtype) in shapes.items()}
 
 
-def call_backward(problem, arrays, lse, d_out, d_lse, *, wrt, groups: int):
-    """Emits the CPU backward custom call: the vector-Jacobian product of :func:`call`'s attention.
+def call_backward(problem, arrays, lse, d_out, d_lse, *, wrt, groups: int, workspace_bytes: int = 0):
+    """Emits the backward custom call: the vector-Jacobian product of :func:`call`'s attention.
 
     Args:
       problem: the flattened call's ``Problem``.
@@ -237,6 +237,8 @@ def call_backward(problem, arrays, lse, d_out, d_lse, *, wrt, groups: int):
       wrt: the gradients to compute, among ``"q"``, ``"kv_cache"`` (a ``bf16_*`` cache) and ``"attn_sink"``.
       groups: the number of gradients of each shared operand (the cache, the sink): one per ``T / groups``
         consecutive rows (a ``jax.vmap`` batch element each, when the batch is folded into rows).
+      workspace_bytes: the CUDA handler's workspace result (``kernel_tables.backward_workspace_bytes``),
+        dropped from the results; 0 for the CPU handler, which takes none.
 
     Returns:
       ``{name: gradient}`` for the names in ``wrt`` (shapes and dtypes of :func:`backward_results`).
@@ -249,6 +251,9 @@ def call_backward(problem, arrays, lse, d_out, d_lse, *, wrt, groups: int):
     cotangents = (jnp.zeros((0,), jnp.bfloat16) if d_out is None else d_out,
                   jnp.zeros((0,), jnp.float32) if d_lse is None else d_lse)
     results = backward_results(problem, arrays["kv_cache"].shape, wrt, groups)
-    gradients = jax.ffi.ffi_call(BACKWARD_TARGET, tuple(results.values()))(
+    shapes = tuple(results.values())
+    if workspace_bytes:
+        shapes += (jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),)
+    gradients = jax.ffi.ffi_call(BACKWARD_TARGET, shapes)(
         *operands, lse, *cotangents, **_format_attrs(problem), gradient_groups=np.int64(groups))
     return {name: g for name, g in zip(results, gradients) if name in wrt}

@@ -75,8 +75,7 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
       TypeError: wrong dtypes, or a Python value where an array is needed (docs/errors.md).
       ValueError: anything else that shapes reveal (docs/errors.md).
       NotImplementedError: differentiated with respect to a quantized cache (only ``bf16_*`` caches have
-        a gradient) or, with ``precision="fp8"``, ``q``; on CUDA with an FFI ``impl`` (no CUDA backward
-        kernel yet: use ``impl="xla"``); or twice (no second derivative).
+        a gradient) or, with ``precision="fp8"``, ``q``; or twice (no second derivative).
 
     ``jax.grad``/``jax.vjp`` give gradients for ``q``, ``attn_sink`` and a ``bf16_*`` cache (docs/semantics.md,
     differentiation); forward mode (``jax.jvp``) raises JAX's ``TypeError`` for ``custom_vjp`` functions.

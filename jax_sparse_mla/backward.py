@@ -5,10 +5,9 @@
 attention weights: the backward recomputes them); its backward rule is :func:`vjp`:
 
 - ``impl="xla"``: XLA's autodiff of the pure-JAX lowering, recomputed from the operands;
-- the FFI kernels (``impl="auto"``): on CPU the C++ backward kernel (``_ffi.call_backward``), with a
-  ``jax.vmap`` rule that folds the batch into rows as the forward's does; on CUDA there is no backward
-  kernel yet, and lowering one for CUDA raises ``NotImplementedError`` naming ``impl="xla"`` (never a
-  silent fallback to another implementation).
+- the FFI kernels (``impl="auto"``): the C++ CPU backward kernel, and on CUDA the CUDA backward kernel
+  (``_ffi.call_backward``, with its workspace), with a ``jax.vmap`` rule that folds the batch into rows as
+  the forward's does.
 
 Gradients exist for ``q`` (every format), ``attn_sink`` and the cache of a ``bf16_*`` format. A quantized
 cache is a constant; integer operands (indices, lengths, ``valid_tokens``) have no gradient.
@@ -20,12 +19,10 @@ import dataclasses
 from typing import Callable
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
-from jax.interpreters import mlir
 
-from . import _ffi
+from . import _ffi, kernel_tables
 from .formats import quantize_query_fp8
 
 __all__ = ["Residuals", "check_differentiable", "typed_as_varying", "vjp", "without_second_derivative"]
@@ -47,15 +44,8 @@ class Residuals:
 jax.tree_util.register_dataclass(Residuals, data_fields=["arrays", "lse"], meta_fields=["wrt"])
 
 
-def _cuda_refusal(impl: str) -> str:
-    return (f"impl: sparse_mla has no CUDA backward kernel yet, so jax.grad/jax.vjp through it with "
-            f"impl={impl!r} cannot run on CUDA; pass impl='xla' to differentiate there (XLA's autodiff of the "
-            f"pure-JAX lowering, docs/semantics.md, differentiation)")
-
-
 def check_differentiable(problem, wrt) -> None:
-    """Raises ``NotImplementedError`` naming the first operand in ``wrt`` that has no gradient, or the
-    impl when it forces a CUDA kernel (which has no backward)."""
+    """Raises ``NotImplementedError`` naming the first operand in ``wrt`` that has no gradient."""
     for name, fmt in (("kv_cache", problem.fmt), ("extra_kv_cache", problem.extra_fmt)):
         if name in wrt and fmt.quantized:
             raise NotImplementedError(
@@ -66,8 +56,6 @@ def check_differentiable(problem, wrt) -> None:
             "precision: 'fp8' computes with the FP8-quantized query, whose derivative in q is zero almost "
             "everywhere, so q has no gradient there; differentiate q with precision='bf16' (the sink and a bf16 "
             "cache do have gradients with 'fp8')")
-    if wrt and problem.impl in ("decode", "prefill"):
-        raise NotImplementedError(_cuda_refusal(problem.impl))
 
 
 def vjp(problem, residuals: Residuals, d_out, d_lse, *, forward: Callable) -> dict:
@@ -188,11 +176,12 @@ def _lower_kernel_backward(problem, wrt, groups, arrays, lse, d_out, d_lse):
         return _ffi.call_backward(problem, arrays, lse, d_out, d_lse, wrt=kernel_wrt, groups=groups)
 
     def cuda(arrays, lse, d_out, d_lse):
-        results = {name: r for name, r in _ffi.backward_results(problem, arrays["kv_cache"].shape, kernel_wrt,
-                                                                 groups).items() if name in kernel_wrt}
-        flat = _cuda_backward_p.bind(*jax.tree_util.tree_leaves((arrays, lse, d_out, d_lse)),
-                                     results=tuple(results.values()), impl=problem.impl)
-        return dict(zip(results, flat))
+        layout = problem.layout
+        workspace = kernel_tables.backward_workspace_bytes(
+            problem.num_tokens, problem.num_heads, problem.topk, groups, layout.num_pages * layout.page_size,
+            "kv_cache" in kernel_wrt)
+        return _ffi.call_backward(problem, arrays, lse, d_out, d_lse, wrt=kernel_wrt, groups=groups,
+                                  workspace_bytes=workspace)
 
     # Only the branch of the platform being lowered for is emitted: a CPU program never sees the CUDA one.
     gradients = jax.lax.platform_dependent(arrays, lse, d_out, d_lse, cpu=cpu, cuda=cuda)
@@ -213,17 +202,3 @@ def typed_as_varying(results, operands):
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree_util.tree_map(cast, results)
-
-
-# The CUDA backward: shapes for tracing, and a lowering that refuses with the reason and the alternative.
-_cuda_backward_p = jex.core.Primitive("jax_sparse_mla_backward_cuda")
-_cuda_backward_p.multiple_results = True
-_cuda_backward_p.def_abstract_eval(
-    lambda *operands, results, impl: [jax.core.ShapedArray(r.shape, r.dtype) for r in results])
-
-
-def _refuse_cuda_lowering(ctx, *operands, results, impl):
-    raise NotImplementedError(_cuda_refusal(impl))
-
-
-mlir.register_lowering(_cuda_backward_p, _refuse_cuda_lowering)

@@ -27,7 +27,7 @@ from .formats import FORMATS, get_format
 
 __all__ = ["KernelConfig", "VARIANT_IDS", "MIN_HEADS", "MAX_HEADS", "MIN_TOPK", "SPLIT_GRANULE",
            "MIN_COMPUTE_CAPABILITY", "HOPPER_COMPUTE_CAPABILITY", "FAMILIES", "KERNELS", "HOPPER_KERNELS",
-           "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "kernel_family"]
+           "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "backward_workspace_bytes", "kernel_family"]
 
 _TABLES = _cpu_ext.kernel_tables()
 
@@ -74,6 +74,14 @@ def has_cuda_kernels(kv_format: str) -> bool:
 def workspace_bytes(num_splits: int, num_tokens: int, num_heads: int, d_v: int) -> int:
     """Bytes of the decode workspace (layout: ``kernels/cuda/split_workspace.h``)."""
     return int(_cpu_ext.workspace_bytes(num_splits, num_tokens, num_heads, d_v))
+
+
+def backward_workspace_bytes(num_tokens: int, num_heads: int, topk: int, gradient_groups: int, num_slots: int,
+                             cache_gradient: bool) -> int:
+    """Bytes of the CUDA backward's workspace (layout: ``kernels/cuda/backward_workspace.h``); ``topk`` is the
+    main list's width, ``num_slots`` the main cache's slot count (both used only with ``cache_gradient``)."""
+    return int(_cpu_ext.backward_workspace_bytes(num_tokens, num_heads, topk, gradient_groups, num_slots,
+                                                 bool(cache_gradient)))
 
 
 def kernel_family(kv_format: str, heads_per_block: int, compute_capability: int, max_shared_bytes: int,

@@ -607,21 +607,35 @@ def test_exported_gradient_round_trip(rng):
         np.testing.assert_array_equal(_bits(g), _bits(want[name]), err_msg=name)
 
 
-def test_cuda_lowering_of_the_kernel_backward_is_refused(rng):
-    """No CUDA backward kernel: lowering a gradient for CUDA (from this host too) raises, naming impl="xla",
-    which lowers for CUDA without any custom call; the CPU lowering of the same function is fine."""
-    case = make_case(rng, "bf16_576", num_tokens=2, num_heads=2, topk=4, page_size=4)
+def test_cuda_lowering_of_the_kernel_backward(rng):
+    """Every gradient (q, the sink, a bf16 cache) lowers for CUDA (from this host too) to the backward
+    target with its workspace result, sized as kernels/cuda/backward_workspace.h says; impl="xla" lowers
+    for CUDA without any custom call."""
+    case = make_case(rng, "bf16_576", num_tokens=2, num_heads=2, topk=4, page_size=4, attn_sink=rng.standard_normal(2))
 
-    def gradient(impl):
+    def gradient(impl, wrt):
         static, arrays = case_arrays(case, impl)
-        q = arrays.pop("q")
-        return jax.jit(jax.grad(lambda q: attend(static, {**arrays, "q": q})[1].sum())).trace(q)
+        w = {name: arrays.pop(name) for name in wrt}
+        return jax.jit(jax.grad(lambda w: attend(static, {**arrays, **w})[1].sum())).trace(w)
 
-    with pytest.raises(NotImplementedError, match=r"^impl: sparse_mla has no CUDA backward kernel.*impl='xla'"):
-        gradient("auto").lower(lowering_platforms=("cuda",))
-    assert jsm._ffi.BACKWARD_TARGET in gradient("auto").lower(lowering_platforms=("cpu",)).as_text()
-    xla_text = gradient("xla").lower(lowering_platforms=("cuda",)).as_text()
+    slots = case.main.num_slots
+    for wrt, cache_gradient in ((("q", "attn_sink"), False), (("q", "kv_cache"), True)):
+        cuda_text = gradient("auto", wrt).lower(lowering_platforms=("cuda",)).as_text()
+        assert jsm._ffi.BACKWARD_TARGET in cuda_text
+        workspace = jsm.kernel_tables.backward_workspace_bytes(2, 2, 4, 1, slots, cache_gradient)
+        assert f"tensor<{workspace}xui8>" in cuda_text, wrt  # the CUDA handler's workspace result
+        assert jsm._ffi.BACKWARD_TARGET in gradient("auto", wrt).lower(lowering_platforms=("cpu",)).as_text()
+    xla_text = gradient("xla", ("q", "kv_cache")).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call" not in xla_text
+
+
+def test_backward_workspace_grows_with_the_cache_gradient():
+    """The workspace holds two [T, H] double arrays; a cache gradient adds the sort's keys and pairs
+    (T * topk of each, twice), the output rows' ranges and the sort's scratch."""
+    small = jsm.kernel_tables.backward_workspace_bytes(3, 5, 7, 1, 11, False)
+    assert small == 2 * (-(-3 * 5 * 8 // 16) * 16)
+    big = jsm.kernel_tables.backward_workspace_bytes(3, 5, 7, 2, 11, True)
+    assert big >= small + 2 * 21 * 8 + 2 * 21 * 4 + 2 * 22 * 4
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,383 @@
+// The CUDA backward kernels (declarations and contract: backward.h). Plain SIMT code, one warp per
+// (token, head) or per cache row: correctness and bitwise reproducibility first, speed not yet.
+//
+// Row kernel, block = (token, kHeadsPerBlock heads), a warp per head, the candidates in the forward's
+// order (main list, then extra), dequantized kChunk rows at a time into shared memory as FP32:
+//   sweep 1: s_j = sm_scale <q, K_j>, P_j = exp(s_j - lse), dP_j = <dO, V_j>, D = Σ_j P_j dP_j
+//   sweep 2: the same P_j, dP_j again; c_j = sm_scale P_j (dP_j - D + dl); d_q = Σ_j c_j K_j
+// and the row's sink term exp(sink - lse)(dl - D) into the workspace. Every dot product is a lane-strided
+// partial sum reduced by one fixed butterfly; every sum over j runs in candidate order: the same inputs
+// give the same bits. Sink kernel: one thread per (gradient group, head) adds the group's rows' terms in
+// token order. A padding row (t >= valid_tokens) and a row whose lse is -inf give a zero d_q and no sink
+// term; a row whose lse is +inf (an infinite sink holds all the weight) gives a zero d_q and the term dl.
+//
+// The gradient of a bf16 main cache (pass 2, as the CPU kernel's): every candidate position p = t·topk + j
+// gets the key (gradient group, slot), or none when masked or a padding row's; a stable radix sort of the
+// positions by key lists each output row's pairs in (t, j) order; one warp per output row recomputes
+// each pair's P_j and c_j from the row's D and adds c_j·q + P_j·dO over the heads in that order. An output
+// row no valid candidate references is written as zeros.
+#include "kernels/cuda/backward.h"
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <cmath>
+
+#include "kernels/common/cache_view.h"
+#include "kernels/common/numeric.h"
+#include "kernels/common/params.h"
+
+namespace jsmla::cuda {
+namespace {
+
+constexpr int kHeadsPerBlock = 4;                 // one warp each
+constexpr int kThreads = 32 * kHeadsPerBlock;
+constexpr int kChunk = 8;                         // candidate rows dequantized per step
+constexpr int kMaxDqk = 1088;                     // the widest format (dots3_swa)
+constexpr int kLanesPerThread = kMaxDqk / 32;     // q, d_q lanes a thread keeps in registers
+constexpr int kSinkThreads = 128;
+
+static_assert(kMaxDqk % 32 == 0, "a warp's lanes stride d_qk evenly at the widest format");
+
+constexpr uint64_t kNoKey = ~uint64_t{0};           // a masked position's sort key (sorts last)
+constexpr int kRowWarps = 4;                          // output rows per block of the cache gradient
+
+struct BackwardLaunch {
+  BackwardParams p;
+  FormatTraits main_format;
+  FormatTraits extra_format;
+  double* sink_terms;  // [T, H] (workspace)
+  double* d_rows;      // [T, H] (workspace): D, for the cache gradient
+};
+
+// The cache gradient's part of the workspace (backward_workspace.h).
+struct CacheGradientLaunch {
+  BackwardParams p;
+  FormatTraits format;
+  const double* d_rows;     // [T, H]
+  uint64_t* keys;           // [n]
+  int32_t* pairs;           // [n]
+  const uint64_t* sorted_keys;
+  const int32_t* sorted_pairs;
+  int32_t* row_first;       // [G * slots]
+  int32_t* row_last;        // [G * slots]
+  int64_t num_slots;
+  int64_t positions;        // n = T * topk
+};
+
+// K lane d of a (valid) slot of `cache` in format `f`, as docs/formats.md defines it.
+__device__ float key_lane(const FormatTraits& f, const CacheView& cache, int64_t slot, int d) {
+  const uint8_t* row = cache.data_row(slot);
+  if (d < f.quant_dim) return quantized_lane(f, row, d) * group_scale(f, cache.scales(f, slot), d / f.group_size);
+  return bf16_to_float(load_u16_le(row + f.bf16_offset + 2 * (d - f.quant_dim)));
+}
+
+// The warp's sum of `x` by a fixed butterfly: every lane gets the same bits.
+__device__ float warp_sum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+__device__ float attention_weight(float score, float lse) {
+  return static_cast<float>(exp(static_cast<double>(score) - static_cast<double>(lse)));
+}
+
+// Position `position` of token t's main-then-extra candidate list: its slot, or -1 (masked).
+__device__ int64_t candidate_slot(const AttentionParams& a, int64_t t, int32_t main_length, int32_t position) {
+  if (position < main_length) return a.main.slot(t, position);
+  return a.extra.slot(t, position - main_length);
+}
+
+__global__ void __launch_bounds__(kThreads) backward_rows_kernel(const __grid_constant__ BackwardLaunch launch) {
+  const BackwardParams& p = launch.p;
+  const AttentionParams& a = p.forward;
+  __shared__ float keys[kChunk][kMaxDqk];
+  __shared__ int64_t slots[kChunk];
+  __shared__ int32_t from_extra[kChunk];
+
+  const int head_blocks = (a.num_heads + kHeadsPerBlock - 1) / kHeadsPerBlock;
+  const int64_t t = blockIdx.x / head_blocks;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int h = static_cast<int>(blockIdx.x % head_blocks) * kHeadsPerBlock + warp;
+  const bool head_exists = h < a.num_heads;
+  const int64_t row = t * a.num_heads + h;
+  const FormatTraits& f = launch.main_format;
+  const int d_qk = f.d_qk;
+  const int d_v = f.d_v;
+  const int64_t valid_rows = a.valid_tokens != nullptr ? a.valid_tokens[0] : a.num_tokens;
+
+  const float lse = head_exists ? p.lse[row] : -INFINITY;
+  const bool padding = t >= valid_rows;
+  const bool active = head_exists && !padding && isfinite(lse);  // weight on candidates
+  const float d_lse = head_exists && p.d_lse != nullptr ? p.d_lse[row] : 0.0f;
+
+  float q[kLanesPerThread];
+  float d_out[kLanesPerThread];
+  float d_q[kLanesPerThread];
+#pragma unroll
+  for (int i = 0; i < kLanesPerThread; ++i) {
+    const int d = lane + 32 * i;
+    q[i] = active && d < d_qk ? bf16_to_float(a.q[row * d_qk + d]) : 0.0f;
+    d_out[i] = active && d < d_v && p.d_out != nullptr ? bf16_to_float(p.d_out[row * d_v + d]) : 0.0f;
+    d_q[i] = 0.0f;
+  }
+
+  // The block's candidate positions (the same for its heads): none for a padding row.
+  const int32_t main_length = padding ? 0 : a.main.row_length(t);
+  const int32_t extra_length = padding || a.extra.topk == 0 ? 0 : a.extra.row_length(t);
+  const int32_t positions = main_length + extra_length;
+  const bool any_active = __syncthreads_or(active);
+
+  double d_row = 0.0;  // D
+  for (int sweep = 0; sweep < 2 && any_active; ++sweep) {
+    for (int32_t first = 0; first < positions; first += kChunk) {
+      __syncthreads();  // the previous chunk's rows are no longer read
+      if (threadIdx.x < kChunk) {
+        const int32_t position = first + threadIdx.x;
+        slots[threadIdx.x] = position < positions ? candidate_slot(a, t, main_length, position) : -1;
+        from_extra[threadIdx.x] = position >= main_length;
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < kChunk * d_qk; i += kThreads) {
+        const int r = i / d_qk;
+        const int d = i % d_qk;
+        const int64_t slot = slots[r];
+        if (slot >= 0) {  // a masked candidate's bytes are never read
+          keys[r][d] = from_extra[r] ? key_lane(launch.extra_format, a.extra.cache, slot, d)
+                                     : key_lane(f, a.main.cache, slot, d);
+        }
+      }
+      __syncthreads();
+      if (!active) continue;
+      for (int r = 0; r < kChunk; ++r) {
+        if (slots[r] < 0) continue;  // masked, or past the list
+        float score_part = 0.0f, d_weight_part = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kLanesPerThread; ++i) {
+          const int d = lane + 32 * i;
+          if (d < d_qk) score_part += q[i] * keys[r][d];
+          if (d < d_v) d_weight_part += d_out[i] * keys[r][d];
+        }
+        const float weight = attention_weight(a.sm_scale * warp_sum(score_part), lse);
+        const float d_weight = warp_sum(d_weight_part);
+        if (sweep == 0) {
+          d_row += static_cast<double>(weight) * d_weight;
+        } else {
+          const float coefficient =
+              a.sm_scale * static_cast<float>(weight * (static_cast<double>(d_weight) - d_row + d_lse));
+#pragma unroll
+          for (int i = 0; i < kLanesPerThread; ++i) {
+            const int d = lane + 32 * i;
+            if (d < d_qk) d_q[i] += coefficient * keys[r][d];
+          }
+        }
+      }
+    }
+  }
+
+  if (!head_exists) return;
+  if (p.d_q != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kLanesPerThread; ++i) {
+      const int d = lane + 32 * i;
+      if (d < d_qk) p.d_q[row * d_qk + d] = float_to_bf16(d_q[i]);  // zero for every inactive row
+    }
+  }
+  if (launch.d_rows != nullptr && lane == 0) launch.d_rows[row] = d_row;  // D (0 for an inactive row)
+  if (launch.sink_terms != nullptr && lane == 0) {
+    double term = 0.0;
+    if (!padding && lse == INFINITY) {
+      term = d_lse;
+    } else if (active && a.attn_sink != nullptr && a.attn_sink[h] > -INFINITY) {
+      term = exp(static_cast<double>(a.attn_sink[h]) - lse) * (d_lse - d_row);
+    }
+    launch.sink_terms[row] = term;
+  }
+}
+
+// d_attn_sink[g, h] = Σ over the group's valid rows t, in order, of the sink terms.
+__global__ void __launch_bounds__(kSinkThreads) backward_sink_kernel(const __grid_constant__ BackwardLaunch launch) {
+  const BackwardParams& p = launch.p;
+  const AttentionParams& a = p.forward;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kSinkThreads + threadIdx.x;
+  if (item >= p.gradient_groups * a.num_heads) return;
+  const int64_t g = item / a.num_heads;
+  const int h = static_cast<int>(item % a.num_heads);
+  const int64_t rows_per_group = a.num_tokens / p.gradient_groups;
+  int64_t valid_rows = a.valid_tokens != nullptr ? a.valid_tokens[0] : a.num_tokens;
+  valid_rows = valid_rows < 0 ? 0 : (valid_rows > a.num_tokens ? a.num_tokens : valid_rows);
+  const int64_t end = (g + 1) * rows_per_group < valid_rows ? (g + 1) * rows_per_group : valid_rows;
+  double total = 0.0;
+  for (int64_t t = g * rows_per_group; t < end; ++t) total += launch.sink_terms[t * a.num_heads + h];
+  p.d_attn_sink[item] = static_cast<float>(total);
+}
+
+// Each candidate position's sort key and pair index.
+__global__ void __launch_bounds__(256) cache_keys_kernel(const __grid_constant__ CacheGradientLaunch launch) {
+  const AttentionParams& a = launch.p.forward;
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (p >= launch.positions) return;
+  const int64_t t = p / a.main.topk;
+  const int32_t j = static_cast<int32_t>(p % a.main.topk);
+  int64_t valid_rows = a.valid_tokens != nullptr ? a.valid_tokens[0] : a.num_tokens;
+  uint64_t key = kNoKey;
+  if (t < valid_rows && j < a.main.row_length(t)) {
+    const int64_t slot = a.main.slot(t, j);
+    if (slot >= 0) {
+      const int64_t group = t / (a.num_tokens / launch.p.gradient_groups);
+      key = static_cast<uint64_t>(group * launch.num_slots + slot);
+    }
+  }
+  launch.keys[p] = key;
+  launch.pairs[p] = static_cast<int32_t>(p);
+}
+
+// The [first, last) run of each key in the sorted keys (the rows no key names stay [0, 0)).
+__global__ void __launch_bounds__(256) cache_ranges_kernel(const __grid_constant__ CacheGradientLaunch launch) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (i >= launch.positions) return;
+  const uint64_t key = launch.sorted_keys[i];
+  if (key == kNoKey) return;
+  if (i == 0 || launch.sorted_keys[i - 1] != key) launch.row_first[key] = static_cast<int32_t>(i);
+  if (i + 1 == launch.positions || launch.sorted_keys[i + 1] != key) launch.row_last[key] = static_cast<int32_t>(i + 1);
+}
+
+// One warp per output row (gradient group, slot): Σ over its pairs in order, over the heads in order,
+// of c_j·q + P_j·dO, rounded once to bf16.
+__global__ void __launch_bounds__(32 * kRowWarps) cache_rows_kernel(const __grid_constant__ CacheGradientLaunch launch) {
+  const BackwardParams& p = launch.p;
+  const AttentionParams& a = p.forward;
+  const FormatTraits& f = launch.format;
+  const int64_t output_row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (output_row >= p.gradient_groups * launch.num_slots) return;
+  const int d_qk = f.d_qk;
+  const int d_v = f.d_v;
+  const int32_t first = launch.row_first[output_row];
+  const int32_t last = launch.row_last[output_row];
+  float key[kLanesPerThread];
+  float acc[kLanesPerThread];
+  const int64_t slot = output_row % launch.num_slots;
+#pragma unroll
+  for (int i = 0; i < kLanesPerThread; ++i) {
+    const int d = lane + 32 * i;
+    key[i] = first < last && d < d_qk ? key_lane(f, a.main.cache, slot, d) : 0.0f;  // an unreferenced row: never read
+    acc[i] = 0.0f;
+  }
+  for (int32_t k = first; k < last; ++k) {
+    const int64_t t = launch.sorted_pairs[k] / a.main.topk;
+    for (int h = 0; h < a.num_heads; ++h) {
+      const int64_t row = t * a.num_heads + h;
+      const float lse = p.lse[row];
+      if (!isfinite(lse)) continue;  // no weight on any candidate: q and d_out of the row are never read
+      float q[kLanesPerThread];
+      float d_out[kLanesPerThread];
+      float score_part = 0.0f, d_weight_part = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kLanesPerThread; ++i) {
+        const int d = lane + 32 * i;
+        q[i] = d < d_qk ? bf16_to_float(a.q[row * d_qk + d]) : 0.0f;
+        d_out[i] = d < d_v && p.d_out != nullptr ? bf16_to_float(p.d_out[row * d_v + d]) : 0.0f;
+        score_part += q[i] * key[i];
+        d_weight_part += d_out[i] * key[i];
+      }
+      const float weight = attention_weight(a.sm_scale * warp_sum(score_part), lse);
+      const float d_weight = warp_sum(d_weight_part);
+      const float d_lse = p.d_lse != nullptr ? p.d_lse[row] : 0.0f;
+      const float coefficient =
+          a.sm_scale * static_cast<float>(weight * (static_cast<double>(d_weight) - launch.d_rows[row] + d_lse));
+#pragma unroll
+      for (int i = 0; i < kLanesPerThread; ++i) {
+        acc[i] += coefficient * q[i];
+        acc[i] += weight * d_out[i];
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kLanesPerThread; ++i) {
+    const int d = lane + 32 * i;
+    if (d < d_qk) p.d_kv_cache[output_row * d_qk + d] = float_to_bf16(acc[i]);
+  }
+}
+
+int key_bits(uint64_t largest_key) {
+  int bits = 1;
+  while (bits < 64 && (largest_key >> bits) != 0) ++bits;
+  return bits;
+}
+
+}  // namespace
+
+cudaError_t launch_backward(const FormatTraits& main, const FormatTraits& extra, const BackwardParams& p,
+                            void* workspace, int64_t workspace_bytes, cudaStream_t stream) {
+  const AttentionParams& a = p.forward;
+  if (a.num_tokens == 0 || a.num_heads == 0) return cudaSuccess;  // never a zero-size grid
+  auto* base = static_cast<uint8_t*>(workspace);
+  const int64_t row_bytes = BackwardWorkspace::row_bytes(a.num_tokens, a.num_heads);
+  BackwardLaunch launch{p, main, extra, reinterpret_cast<double*>(base), reinterpret_cast<double*>(base + row_bytes)};
+  if (p.d_attn_sink == nullptr) launch.sink_terms = nullptr;
+  if (p.d_kv_cache == nullptr) launch.d_rows = nullptr;
+  const int64_t head_blocks = (a.num_heads + kHeadsPerBlock - 1) / kHeadsPerBlock;
+  backward_rows_kernel<<<static_cast<unsigned>(a.num_tokens * head_blocks), kThreads, 0, stream>>>(launch);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (p.d_attn_sink != nullptr) {
+    const int64_t items = p.gradient_groups * a.num_heads;
+    backward_sink_kernel<<<static_cast<unsigned>((items + kSinkThreads - 1) / kSinkThreads), kSinkThreads, 0,
+                           stream>>>(launch);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (p.d_kv_cache == nullptr) return cudaSuccess;
+
+  // Pass 2: the bf16 main cache's gradient.
+  const int64_t n = a.num_tokens * a.main.topk;
+  const int64_t num_slots = a.main.cache.num_slots();
+  const int64_t output_rows = p.gradient_groups * num_slots;
+  if (output_rows == 0) return cudaSuccess;
+  uint8_t* cursor = base + 2 * row_bytes;
+  auto take = [&](int64_t bytes) {
+    uint8_t* part = cursor;
+    cursor += BackwardWorkspace::align(bytes);
+    return part;
+  };
+  auto* keys0 = reinterpret_cast<uint64_t*>(take(n * 8));
+  auto* keys1 = reinterpret_cast<uint64_t*>(take(n * 8));
+  auto* pairs0 = reinterpret_cast<int32_t*>(take(n * 4));
+  auto* pairs1 = reinterpret_cast<int32_t*>(take(n * 4));
+  auto* row_first = reinterpret_cast<int32_t*>(take(output_rows * 4));
+  auto* row_last = reinterpret_cast<int32_t*>(take(output_rows * 4));
+  void* sort_temp = cursor;
+  const int64_t sort_temp_available = workspace_bytes - (cursor - base);
+  CacheGradientLaunch cache{p, main, launch.d_rows, keys0, pairs0, nullptr, nullptr, row_first, row_last, num_slots, n};
+  if (n > 0) {
+    cache_keys_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(cache);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    cub::DoubleBuffer<uint64_t> sort_keys(keys0, keys1);
+    cub::DoubleBuffer<int32_t> sort_pairs(pairs0, pairs1);
+    const int end_bit = key_bits(static_cast<uint64_t>(output_rows));  // keys < output_rows; kNoKey's high bits ignored
+    size_t temp_bytes = 0;
+    if (cudaError_t e = cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, sort_keys, sort_pairs, n, 0, end_bit, stream);
+        e != cudaSuccess) {
+      return e;
+    }
+    if (static_cast<int64_t>(temp_bytes) > sort_temp_available) return cudaErrorInvalidValue;  // the bound is wrong
+    if (cudaError_t e = cub::DeviceRadixSort::SortPairs(sort_temp, temp_bytes, sort_keys, sort_pairs, n, 0, end_bit,
+                                                        stream);
+        e != cudaSuccess) {
+      return e;
+    }
+    cache.sorted_keys = sort_keys.Current();
+    cache.sorted_pairs = sort_pairs.Current();
+  }
+  if (cudaError_t e = cudaMemsetAsync(row_first, 0, output_rows * 4, stream); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaMemsetAsync(row_last, 0, output_rows * 4, stream); e != cudaSuccess) return e;
+  if (n > 0) {
+    cache_ranges_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(cache);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  cache_rows_kernel<<<static_cast<unsigned>((output_rows + kRowWarps - 1) / kRowWarps), 32 * kRowWarps, 0, stream>>>(
+      cache);
+  return cudaGetLastError();
+}
+
+}  // namespace jsmla::cuda
