@@ -1,14 +1,19 @@
-"""Forward and forward+backward of ``sparse_mla`` on the CPU: the C++ kernels against XLA's autodiff of the
-pure-JAX lowering (``impl="xla"``), in the same run.
+"""Forward and forward+backward of ``sparse_mla``: the FFI kernels (``impl="auto"``: the C++ kernels on the
+CPU, the CUDA kernels on a GPU) against XLA's autodiff of the pure-JAX lowering (``impl="xla"``), in the
+same run.
 
     python benchmarks/bench_backward.py                                  # the default shape, both formats
     python benchmarks/bench_backward.py --tokens 4 --heads 4 --topk 16 --cache_tokens 256 --repeats 1
+    python benchmarks/bench_backward.py --formats bf16_576 --tokens 1024,4096 --heads 128 --topk 2048 \
+        --cache_tokens 65536 --cache_gradient both                      # the H200 rows
 
-Per format: one jitted call of the forward, and one of ``jax.value_and_grad`` of ``sum(out * w) +
-sum(lse)`` with respect to q, the sink and (``bf16_576``) the cache, for each implementation; the median
-of ``--repeats`` calls after two warm-up calls. Each row also reports the largest difference between the
-two implementations' gradients, relative to the largest gradient (docs/semantics.md bounds each against
-float64 by 2e-2). Results go to ``--out_dir``/bench_backward.{json,md}.
+Per format and T: one jitted call of the forward, and one of ``jax.value_and_grad`` of ``sum(out * w) +
+sum(lse)`` with respect to q, the sink and (a ``bf16_*`` cache, ``--cache_gradient``) the cache, for each
+implementation; the median of ``--repeats`` calls after two warm-up calls. Each row also reports the
+largest difference between the two implementations' gradients, relative to the largest gradient
+(docs/semantics.md bounds each against float64 by 2e-2), and TFLOP/s of the matrix products computed:
+forward 2·T·H·topk·(d_qk + d_v); backward (recomputed S, dP, d_q) 2·T·H·topk·(2·d_qk + d_v), plus
+2·T·H·topk·(d_qk + d_v) for the cache's gradient. Results go to ``--out_dir``/bench_backward.{json,md}.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import platform
 from absl import app, flags
 
 flags.DEFINE_list("formats", ["bf16_576", "dsv3_2"], "Cache formats (a bf16_* format adds the cache's gradient).")
-flags.DEFINE_integer("tokens", 64, "Query rows T.")
+flags.DEFINE_list("tokens", ["64"], "Query rows T (one row of results each).")
 flags.DEFINE_integer("heads", 16, "Query heads H.")
 flags.DEFINE_integer("topk", 256, "Candidates per row.")
 flags.DEFINE_integer("cache_tokens", 8192, "Cache slots.")
 flags.DEFINE_integer("repeats", 5, "Timed calls per case; the median is reported.")
+flags.DEFINE_enum("cache_gradient", "yes", ["yes", "no", "both"],
+                  "With a bf16_* cache: differentiate the cache too (yes), not (no), or a row of each (both).")
 flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"), "Where results go.")
 FLAGS = flags.FLAGS
 
@@ -32,8 +39,9 @@ PAGE_SIZE = 64
 IMPLS = ("auto", "xla")
 
 
-def run_format(kv_format, rng):
-    """The results row of one format: times per implementation and the gradients' difference."""
+def run_format(kv_format, t, cache_gradient, rng):
+    """The results row of one format, T and choice of gradients: times per implementation, TFLOP/s and the
+    gradients' difference."""
     import jax
     import jax.numpy as jnp
 
@@ -41,7 +49,7 @@ def run_format(kv_format, rng):
     from jax_sparse_mla.timing import median_step_seconds
 
     fmt = jsm.get_format(kv_format)
-    t, h = FLAGS.tokens, FLAGS.heads
+    h = FLAGS.heads
     kv = jnp.asarray(rng.standard_normal((FLAGS.cache_tokens, fmt.d_qk)), jnp.float32)
     operands = {
         "q": jnp.asarray(rng.standard_normal((t, h, fmt.d_qk)), jnp.bfloat16),
@@ -50,7 +58,7 @@ def run_format(kv_format, rng):
     }
     indices = jnp.asarray(rng.integers(0, FLAGS.cache_tokens, (t, FLAGS.topk)), jnp.int32)
     weights = jnp.asarray(rng.standard_normal((t, h, fmt.d_v)), jnp.float32)
-    wrt = ("q", "attn_sink") + (() if fmt.quantized else ("kv_cache",))
+    wrt = ("q", "attn_sink") + (("kv_cache",) if cache_gradient and not fmt.quantized else ())
     row = {"format": kv_format, "tokens": t, "heads": h, "topk": FLAGS.topk, "gradients": list(wrt)}
     gradients = {}
     for impl in IMPLS:
@@ -71,6 +79,12 @@ def run_format(kv_format, rng):
             forward_backward, (differentiated, rest, indices), 1, FLAGS.repeats, 1)[0]
         gradients[impl] = forward_backward(differentiated, rest, indices)[1]
     row["speedup"] = row["xla_forward_backward_ms"] / row["auto_forward_backward_ms"]
+    products = 2.0 * t * h * FLAGS.topk
+    forward_flops = products * (fmt.d_qk + fmt.d_v)
+    backward_flops = products * (2 * fmt.d_qk + fmt.d_v + (fmt.d_qk + fmt.d_v if "kv_cache" in wrt else 0))
+    for impl in IMPLS:
+        row[f"{impl}_forward_tflops"] = forward_flops / row[f"{impl}_forward_ms"] * 1e-9
+        row[f"{impl}_forward_backward_tflops"] = (forward_flops + backward_flops) / row[f"{impl}_forward_backward_ms"] * 1e-9
     kernel, xla = ({name: g.astype(jnp.float32) for name, g in gradients[impl].items()} for impl in IMPLS)
     row["max_gradient_difference"] = {
         name: float(jnp.abs(kernel[name] - xla[name]).max() / jnp.abs(xla[name]).max()) for name in wrt}
@@ -79,13 +93,14 @@ def run_format(kv_format, rng):
 
 def markdown(rows) -> str:
     lines = ["| format | T | H | topk | gradients | kernel fwd ms | xla fwd ms | kernel fwd+bwd ms | xla fwd+bwd ms "
-             "| speed-up (fwd+bwd) | max gradient difference |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| speed-up (fwd+bwd) | kernel TFLOP/s (fwd+bwd) | xla TFLOP/s (fwd+bwd) | max gradient difference |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         difference = ", ".join(f"{k} {v:.1e}" for k, v in r["max_gradient_difference"].items())
         lines.append(f"| {r['format']} | {r['tokens']} | {r['heads']} | {r['topk']} | {', '.join(r['gradients'])} "
                      f"| {r['auto_forward_ms']:.2f} | {r['xla_forward_ms']:.2f} | {r['auto_forward_backward_ms']:.2f} "
-                     f"| {r['xla_forward_backward_ms']:.2f} | {r['speedup']:.2f}x | {difference} |")
+                     f"| {r['xla_forward_backward_ms']:.2f} | {r['speedup']:.2f}x "
+                     f"| {r['auto_forward_backward_tflops']:.1f} | {r['xla_forward_backward_tflops']:.1f} | {difference} |")
     return "\n".join(lines) + "\n"
 
 
@@ -93,13 +108,27 @@ def main(argv):
     del argv
     import numpy as np
 
+    import jax
+
+    import jax_sparse_mla as jsm
+
     rng = np.random.default_rng(0)
-    rows = [run_format(kv_format, rng) for kv_format in FLAGS.formats]
+    choices = {"yes": (True,), "no": (False,), "both": (False, True)}[FLAGS.cache_gradient]
+    rows = []
+    for kv_format in FLAGS.formats:
+        quantized = jsm.get_format(kv_format).quantized
+        for t in (int(x) for x in FLAGS.tokens):
+            for cache_gradient in (choices[:1] if quantized else choices):
+                rows.append(run_format(kv_format, t, cache_gradient, rng))
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end"
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        machine = f"CPU ({platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end)"
+    else:
+        machine = f"{device.device_kind} ({device.platform})"
     with open(os.path.join(FLAGS.out_dir, "bench_backward.json"), "w") as f:
         json.dump({"machine": machine, "rows": rows}, f, indent=1)
-    text = f"CPU ({machine}); times are medians of {FLAGS.repeats} jitted calls.\n\n" + markdown(rows)
+    text = f"{machine}; times are medians of {FLAGS.repeats} jitted calls.\n\n" + markdown(rows)
     with open(os.path.join(FLAGS.out_dir, "bench_backward.md"), "w") as f:
         f.write(text)
     print(text)

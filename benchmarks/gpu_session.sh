@@ -17,6 +17,8 @@
 #                                                 # (its pure-Python needs from $JSMLA_EXTRA_WHEELS, if set)
 #   bash benchmarks/gpu_session.sh compare        # build (+ FlashMLA) + smoke tier + standalone check + the
 #                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
+#   bash benchmarks/gpu_session.sh backward       # build + the backward's GPU tests + memcheck over their
+#                                                 # sanitize tests + bench_backward.py's H200 rows
 #   JSMLA_TEST_ARGS='-m gpu -k backward' bash benchmarks/gpu_session.sh tests
 #                                                 # build + the pytest selection JSMLA_TEST_ARGS
 #
@@ -88,6 +90,18 @@ case "$mode" in
   tests)
     # shellcheck disable=SC2086  # JSMLA_TEST_ARGS is a list of pytest arguments
     eval "run_tests ${JSMLA_TEST_ARGS:?JSMLA_TEST_ARGS names the pytest selection}" || status=1
+    ;;
+  backward)
+    run_tests -m gpu -k "backward or grad" || status=1
+    JSMLA_SANITIZE=1 timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --leak-check no \
+      --error-exitcode 9 --target-processes all python3 -m pytest -q -p no:cacheprovider -m gpu -k sanitize \
+      "$repo/tests/gpu/test_backward_cuda.py" > "$out/sanitizer_memcheck_backward.log" 2>&1 || status=1
+    echo "memcheck (backward): $(grep -E "ERROR SUMMARY" "$out/sanitizer_memcheck_backward.log" | sort | uniq -c | tr '\n' ' ')"
+    grep -E "passed|failed" "$out/sanitizer_memcheck_backward.log" | tail -1
+    timeout "${JSMLA_BENCH_TIMEOUT:-300}" python3 "$repo/benchmarks/bench_backward.py" --formats bf16_576,dsv3_2 \
+      --tokens 1024,4096 --heads 128 --topk 2048 --cache_tokens 65536 --cache_gradient both --repeats 5 \
+      --out_dir "$out" > "$out/bench_backward.log" 2>&1 || status=1
+    tail -12 "$out/bench_backward.log"
     ;;
   sanitize)
     # memcheck over every *sanitize* test; racecheck and synccheck (slower: every shared-memory access

@@ -13,14 +13,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_backward_benchmark_runs_and_gradients_agree(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_backward.py"), "--tokens", "4", "--heads", "3",
-         "--topk", "16", "--cache_tokens", "256", "--repeats", "1", "--out_dir", str(tmp_path)],
+         "--topk", "16", "--cache_tokens", "256", "--repeats", "1", "--cache_gradient", "both",
+         "--out_dir", str(tmp_path)],
         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "bench_backward.json").read_text())["rows"]
-    assert [r["format"] for r in rows] == ["bf16_576", "dsv3_2"]
-    assert rows[0]["gradients"] == ["q", "attn_sink", "kv_cache"] and rows[1]["gradients"] == ["q", "attn_sink"]
+    assert [r["format"] for r in rows] == ["bf16_576", "bf16_576", "dsv3_2"]
+    assert [r["gradients"] for r in rows] == [["q", "attn_sink"], ["q", "attn_sink", "kv_cache"], ["q", "attn_sink"]]
     for r in rows:
         for impl in ("auto", "xla"):
             assert r[f"{impl}_forward_ms"] > 0 and r[f"{impl}_forward_backward_ms"] > 0
+            # TFLOP/s from the products' FLOPs: forward (d_qk + d_v), backward (2 d_qk + d_v), cache (d_qk + d_v)
+            flops = 2 * 4 * 3 * 16 * (576 + 512 + 2 * 576 + 512 + (576 + 512 if "kv_cache" in r["gradients"] else 0))
+            assert abs(r[f"{impl}_forward_backward_tflops"] - flops / r[f"{impl}_forward_backward_ms"] * 1e-9) < 1e-9
         assert all(0 < d <= 2e-2 for d in r["max_gradient_difference"].values()), r["max_gradient_difference"]
     assert "| bf16_576 | 4 | 3 | 16 |" in (tmp_path / "bench_backward.md").read_text()
