@@ -727,6 +727,19 @@ int main(int argc, char** argv) {
       release(dg);
       cudaFree(glm.device);
     }
+    {  // bf16_576 (no conversion: the producer only copies) on the same shape and in prefill
+      const FormatTraits& f = format_traits(FormatId::kBf16_576);
+      HostCache bf16 = build_cache(f, 4096, 64, 1152, 64 * 1152, 9, fp8);
+      Problem prb{"bf16_576 T=128 H=128 k=2048", FormatId::kBf16_576, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+      DeviceProblem db = make_problem(prb, &bf16, nullptr, 23);
+      run_case(db, on_hopper(decode_plan(64, 2048, 1)), {0, 37, 127}, 15);
+      release(db);
+      Problem prbp{"bf16_576 prefill T=4096 H=128", FormatId::kBf16_576, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
+      DeviceProblem dbp = make_problem(prbp, &bf16, nullptr, 24);
+      run_case(dbp, on_hopper(Plan{2, 64}), {0, 4095}, 5);
+      release(dbp);
+      cudaFree(bf16.device);
+    }
     Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     for (int splits : {16, 32, 64}) {
@@ -936,6 +949,7 @@ int main(int argc, char** argv) {
     Problem pr{"bf16_576 T=4 H=64 k=256", FormatId::kBf16_576, 4, 64, 256, 0, 0.0417f, false, true};
     DeviceProblem d = make_problem(pr, &cache, nullptr, 71);
     run_on_both_families(d, decode_plan(64, 256, 2), all_tokens(4));
+    run_on_both_families(d, decode_plan(64, 256, 1), all_tokens(4));  // 8 tiles a split: the pipeline refills
     release(d);
     cudaFree(cache.device);
     if (!quick) {
