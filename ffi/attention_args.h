@@ -9,7 +9,17 @@
 
 #include "kernels/common/contract.h"
 #include "kernels/common/params.h"
+// nvcc's front end flags the XLA FFI headers (exhaustive switches without a trailing return,
+// always_inline on non-inline functions); they are fine under the host compilers XLA supports.
+#ifdef __NVCC__
+#pragma nv_diag_suppress 940
+#pragma nv_diag_suppress 2473
+#endif
 #include "xla/ffi/api/ffi.h"
+#ifdef __NVCC__
+#pragma nv_diag_default 940
+#pragma nv_diag_default 2473
+#endif
 
 namespace jsmla::ffi_glue {
 

@@ -8,11 +8,7 @@
 
 #include <string>
 
-#pragma nv_diag_suppress 940
-#pragma nv_diag_suppress 2473
 #include "ffi/backward_args.h"
-#pragma nv_diag_default 940
-#pragma nv_diag_default 2473
 #include "kernels/cuda/backward.h"
 #include "kernels/cuda/backward_workspace.h"
 

@@ -9,13 +9,7 @@
 #include <atomic>
 #include <string>
 
-// nvcc's front end flags the XLA FFI headers (exhaustive switches without a trailing return,
-// always_inline on non-inline functions); they are fine under the host compilers XLA supports.
-#pragma nv_diag_suppress 940
-#pragma nv_diag_suppress 2473
 #include "ffi/attention_args.h"
-#pragma nv_diag_default 940
-#pragma nv_diag_default 2473
 #include "kernels/common/contract.h"
 #include "kernels/cuda/combine.h"
 #include "kernels/cuda/registry.h"

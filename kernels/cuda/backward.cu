@@ -25,6 +25,7 @@
 #include "kernels/common/cache_view.h"
 #include "kernels/common/numeric.h"
 #include "kernels/common/params.h"
+#include "kernels/cuda/launch_params.h"
 
 namespace jsmla::cuda {
 namespace {
@@ -105,7 +106,7 @@ __global__ void __launch_bounds__(kThreads) backward_rows_kernel(const __grid_co
   const FormatTraits& f = launch.main_format;
   const int d_qk = f.d_qk;
   const int d_v = f.d_v;
-  const int64_t valid_rows = a.valid_tokens != nullptr ? a.valid_tokens[0] : a.num_tokens;
+  const int64_t valid_rows = valid_token_count(a.valid_tokens, a.num_tokens);
 
   const float lse = head_exists ? p.lse[row] : -INFINITY;
   const bool padding = t >= valid_rows;
@@ -205,8 +206,7 @@ __global__ void __launch_bounds__(kSinkThreads) backward_sink_kernel(const __gri
   const int64_t g = item / a.num_heads;
   const int h = static_cast<int>(item % a.num_heads);
   const int64_t rows_per_group = a.num_tokens / p.gradient_groups;
-  int64_t valid_rows = a.valid_tokens != nullptr ? a.valid_tokens[0] : a.num_tokens;
-  valid_rows = valid_rows < 0 ? 0 : (valid_rows > a.num_tokens ? a.num_tokens : valid_rows);
+  const int64_t valid_rows = valid_token_count(a.valid_tokens, a.num_tokens);
   const int64_t end = (g + 1) * rows_per_group < valid_rows ? (g + 1) * rows_per_group : valid_rows;
   double total = 0.0;
   for (int64_t t = g * rows_per_group; t < end; ++t) total += launch.sink_terms[t * a.num_heads + h];
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(256) cache_keys_kernel(const __grid_constant__
   if (p >= launch.positions) return;
   const int64_t t = p / a.main.topk;
   const int32_t j = static_cast<int32_t>(p % a.main.topk);
-  int64_t valid_rows = a.valid_tokens != nullptr ? a.valid_tokens[0] : a.num_tokens;
+  const int64_t valid_rows = valid_token_count(a.valid_tokens, a.num_tokens);
   uint64_t key = kNoKey;
   if (t < valid_rows && j < a.main.row_length(t)) {
     const int64_t slot = a.main.slot(t, j);
