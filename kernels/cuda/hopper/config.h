@@ -52,6 +52,11 @@ struct HopperConfig {
   static constexpr int kAtomBytes = 128;                     // one swizzle row: 64 BF16 values
 
   using Geometry = LoaderGeometry<kFormat, kCandidateTile, kProducerThreads>;
+  // BF16 rows need no conversion: the producer copies them straight into the swizzled tile buffers
+  // (no staging area), and the bytes a staging area would take hold two more tile buffers, a four-stage
+  // pipeline. Every other format is staged raw and converted into two tile buffers.
+  static constexpr bool kDirectTiles = kF.layout == Layout::kBf16;
+  static constexpr int kStages = kDirectTiles ? 4 : 2;  // tile buffers (and score-bias rows)
   // Staged units a producer thread loads before converting them (bounded by its registers).
   static constexpr int kConvertBatch = 10;
   // Arbitrary FP32 scales (glm_*): the tile holds FP8 × 2^e, and the consumers apply each candidate's
@@ -63,11 +68,11 @@ struct HopperConfig {
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;
-  //   two BF16 KV tiles [kDqk/64][32 candidates][128 B], swizzled;
+  //   kStages BF16 KV tiles [kDqk/64][32 candidates][128 B], swizzled;
   //   two P buffers [kPVariants][64 heads][32 candidates] BF16 in the 64-byte swizzled layout (K-major A
   //   of wgmma): the second consumer's P, one variant per scale group of its columns;
-  //   two staging areas of raw rows, two sets of per-thread scale slots, two score-bias rows, two rows
-  //   of rescale factors, the final row maxima and sums, two stages of per-candidate mantissas and
+  //   two staging areas of raw rows (none for direct tiles), two sets of per-thread scale slots, kStages
+  //   score-bias rows, two rows of rescale factors (one per P buffer), the final row maxima and sums, two stages of per-candidate mantissas and
   //   ratios (exact scales only).
   static constexpr int kQBytes = kHeadTile * kDqk * 2;
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
@@ -86,20 +91,21 @@ struct HopperConfig {
   // rows on the same 16 banks, 4 times the wavefronts).
   static constexpr int kPaddedPitch = (Geometry::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
   static constexpr bool fits(int pitch) {
-    return kQBytes + 2 * kTileBytes + 2 * kPVariants * kPBytes + 2 * kCandidateTile * pitch + 2 * kScaleSlotsBytes +
-               2 * kBiasBytes + 2 * kRescaleBytes + kFinalBytes + 2 * kFactorBytes + 1024 <=
+    return kQBytes + kStages * kTileBytes + 2 * kPVariants * kPBytes + 2 * kCandidateTile * pitch +
+               2 * kScaleSlotsBytes + kStages * kBiasBytes + 2 * kRescaleBytes + kFinalBytes + 2 * kFactorBytes +
+               1024 <=
            kMaxSharedBytes;
   }
-  static constexpr int kStagePitch = fits(kPaddedPitch) ? kPaddedPitch : Geometry::kStagedRowBytes;
+  static constexpr int kStagePitch = kDirectTiles ? 0 : fits(kPaddedPitch) ? kPaddedPitch : Geometry::kStagedRowBytes;
   static constexpr int kStageBytes = kCandidateTile * kStagePitch;
 
   static constexpr int kQOffset = 0;
   static constexpr int kTileOffset = kQOffset + kQBytes;
-  static constexpr int kPOffset = kTileOffset + 2 * kTileBytes;
+  static constexpr int kPOffset = kTileOffset + kStages * kTileBytes;
   static constexpr int kStageOffset = kPOffset + 2 * kPVariants * kPBytes;
   static constexpr int kScaleSlotsOffset = kStageOffset + 2 * kStageBytes;
   static constexpr int kBiasOffset = kScaleSlotsOffset + 2 * kScaleSlotsBytes;
-  static constexpr int kRescaleOffset = kBiasOffset + 2 * kBiasBytes;
+  static constexpr int kRescaleOffset = kBiasOffset + kStages * kBiasBytes;
   static constexpr int kFinalOffset = kRescaleOffset + 2 * kRescaleBytes;
   static constexpr int kFactorOffset = kFinalOffset + kFinalBytes;
   static constexpr int kUsedBytes = kFactorOffset + 2 * kFactorBytes;
@@ -107,12 +113,12 @@ struct HopperConfig {
 
   // Named barriers (0 is __syncthreads).
   static constexpr int kScorerThreads = 128;
-  static constexpr int kFullBarrier = 1;     // + buffer: producer arrives, scorer waits
-  static constexpr int kEmptyBarrier = 3;    // + buffer: both consumers arrive, producer waits
-  static constexpr int kQBarrier = 5;        // consumers only: Q is in shared memory
-  static constexpr int kFinalBarrier = 5;    // consumers only, after the last tile: the final row maxima
-                                             // and sums are written (the Q barrier's ids, long done)
-  static constexpr int kPReadyBarrier = 6;   // + buffer: scorer and warpgroup 2 both wait (two-sided)
+  static constexpr int kFullBarrier = 1;                   // + tile buffer: producer arrives, scorer waits
+  static constexpr int kEmptyBarrier = 1 + kStages;        // + tile buffer: both consumers arrive, producer waits
+  static constexpr int kQBarrier = 1 + 2 * kStages;        // consumers only: Q is in shared memory
+  static constexpr int kFinalBarrier = kQBarrier;          // consumers only, after the last tile: the final row
+                                                           // maxima and sums are written (the Q barrier's id, long done)
+  static constexpr int kPReadyBarrier = kQBarrier + 1;     // + P buffer: scorer and warpgroup 2 both wait (two-sided)
 
   static_assert(hopper_format(kFormat), "format not served by the Hopper family");
   static_assert(kHeadTile == 64, "a head tile is one wgmma M of 64 rows");
@@ -121,7 +127,12 @@ struct HopperConfig {
   static_assert(kCandidateTile % 16 == 0 && kCandidateTile % 8 == 0, "P·V consumes candidates in k16 steps");
   static_assert(kProducerThreads % kCandidateTile == 0, "every tile row gets the same number of producer threads");
   static_assert(Geometry::kThreadsPerRow * 16 == 64, "a warp stages 8 rows × 64 bytes per cp.async (kPaddedPitch)");
-  static_assert(kStagePitch >= Geometry::kStagedRowBytes && kStagePitch % 16 == 0, "staged rows must not overlap");
+  static_assert(kDirectTiles || (kStagePitch >= Geometry::kStagedRowBytes && kStagePitch % 16 == 0),
+                "staged rows must not overlap");
+  static_assert(!kDirectTiles || (Geometry::kQuantUnits == 0 && Geometry::kScaleRecordBytes == 0 && !kExactScales &&
+                                  kF.bf16_offset == 0),
+                "direct tiles: a row is its BF16 lanes, unit u being lanes [8u, 8u + 8)");
+  static_assert((kStages & (kStages - 1)) == 0 && kStages >= 2, "tile buffers are taken by i & (kStages - 1)");
   static_assert(!kExactScales || (kF.group_size > 0 && kDvPerGroup % (kF.group_size > 0 ? kF.group_size : 1) == 0 &&
                                   kF.group_size % 16 == 0 &&
                                   kF.quant_dim == kF.d_v && kF.layout == Layout::kInline),

@@ -6,6 +6,9 @@
 //   wait for its own cp.async of tile i; wait empty[b] (the consumers are done with tile i - 2);
 //   convert staging b into tile buffer b; fence.proxy.async; arrive full[b];
 //   issue the gather of tile i + 2 into staging b; read the indices of tile i + 3.
+// BF16 rows (direct tiles, four buffers b = i % 4): wait for its own cp.async of tile i;
+//   fence.proxy.async; arrive full[b]; wait empty[(i - 1) % 4] (the consumers are done with tile i - 1)
+//   and gather tile i + 3 straight into that buffer; read the indices of tile i + 4.
 // Scorer, per tile: wait full[b]; S = Q·Kᵀ (kDqk/16 wgmmas); softmax; P and the rows' rescale
 // factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half] += P·V (2 wgmmas);
 // arrive empty[b].
@@ -83,27 +86,72 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       cp_async_commit();
       return valid;
     };
-    // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
-    uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
-    staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
-    PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
-    for (int i = 0; i < tiles.count; ++i) {
-      const int b = i & 1;
-      cp_async_wait_pending<1>();
-      if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
-      uint8_t* const tile = tile_buffer(b);
-      const bool valid = (staged_valid >> b) & 1u;
-      Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b), load_sub, [&](int dim, uint4 values) {
-        *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
-      });
-      if (load_sub == 0) {
-        score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
-        if constexpr (Cfg::kExactScales) Loader::write_factors(valid, scale_slot(b), factors(b), load_row);
+    if constexpr (Cfg::kDirectTiles) {
+      // Starts the copies of this thread's units of a row straight into tile buffer b (zeros for a
+      // masked row, whose bytes are never read) and writes the row's score bias; one commit group.
+      auto issue_direct = [&](const PendingRow& row, int b) {
+        const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
+        uint8_t* const tile = tile_buffer(b);
+        const uint8_t* const source = valid ? pending_cache<Loader::kF.dual_cache>(a, row).data_row(row.index) : nullptr;
+#pragma unroll
+        for (int u = 0; u < Loader::kUnitsPerThread; ++u) {
+          const int unit = load_sub + u * Loader::kThreadsPerRow;
+          if (unit >= Loader::kUnits) continue;
+          uint8_t* const to = tile + swizzled_offset(load_row, 8 * unit, kN);
+          if (valid) {
+            cp_async_16(to, source + 16 * unit);
+          } else {
+            *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        if (load_sub == 0) score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
+        cp_async_commit();
+      };
+      constexpr int kStages = Cfg::kStages;
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) {
+        issue_direct(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, s, load_row), s);
       }
-      fence_proxy_async_shared();
-      named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
-      staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
-      pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
+      PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, kStages, load_row);
+      for (int i = 0; i < tiles.count; ++i) {
+        const int b = i & (kStages - 1);
+        // In flight: tiles i .. i + kStages - 2 (one commit group each, empty past the end).
+        cp_async_wait_pending<kStages - 2>();
+        fence_proxy_async_shared();
+        named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
+        if (i == 0) continue;
+        const int refill = i - 1 + kStages;  // into tile i - 1's buffer, once both consumers are done with it
+        if (refill < tiles.count) {
+          named_barrier_sync(Cfg::kEmptyBarrier + ((i - 1) & (kStages - 1)), Cfg::kThreads);
+          issue_direct(pending, (i - 1) & (kStages - 1));
+        } else {
+          cp_async_commit();  // keeps one group per tile
+        }
+        pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, refill + 1, load_row);
+      }
+    } else {
+      // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
+      uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
+      staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
+      PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
+      for (int i = 0; i < tiles.count; ++i) {
+        const int b = i & 1;
+        cp_async_wait_pending<1>();
+        if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+        uint8_t* const tile = tile_buffer(b);
+        const bool valid = (staged_valid >> b) & 1u;
+        Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b), load_sub, [&](int dim, uint4 values) {
+          *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
+        });
+        if (load_sub == 0) {
+          score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
+          if constexpr (Cfg::kExactScales) Loader::write_factors(valid, scale_slot(b), factors(b), load_row);
+        }
+        fence_proxy_async_shared();
+        named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
+        staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
+        pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
+      }
     }
     cp_async_wait_pending<0>();
     return;
@@ -192,7 +240,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     };
 
     for (int i = 0; i < tiles.count; ++i) {
-      const int b = i & 1;
+      const int b = i & (Cfg::kStages - 1);  // tile buffer, full/empty barriers, score bias
+      const int pb = i & 1;                  // P buffer, p_ready barrier, rescale factors
       const uint8_t* const tile = tile_buffer(b);
       const SmemDescriptor v_descriptor = smem_descriptor(
           tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
@@ -237,8 +286,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         softmax.update(score, score_bias + b * kN, a.sm_scale * kLog2e, lane, rescale);
         if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
         if (lane % 4 == 0) {
-          row_rescale[b * Cfg::kHeadTile + rows[0]] = rescale[0];
-          row_rescale[b * Cfg::kHeadTile + rows[1]] = rescale[1];
+          row_rescale[pb * Cfg::kHeadTile + rows[0]] = rescale[0];
+          row_rescale[pb * Cfg::kHeadTile + rows[1]] = rescale[1];
         }
         // P (BF16): this consumer's variants as A fragments, warpgroup 2's into P buffer b — 64-byte
         // swizzled rows, the 8-column chunk j of row r at chunk j ^ ((r / 2) % 4). Exact scales: variant
@@ -252,7 +301,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             pack_p(p_fragment[v][kk], score, kk, v, b);
             uint32_t theirs[4];
             pack_p(theirs, score, kk, kV + v, b);
-            uint8_t* const p_rows = p_buffer(b, v);
+            uint8_t* const p_rows = p_buffer(pb, v);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               const int chunk = 2 * kk + half;
@@ -268,7 +317,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         fence_proxy_async_shared();
         // A sync, not an arrive: warpgroup 2 is already waiting (its P·V of the previous tile is short
         // beside this S), and the handoff of row_rescale is then a plain two-sided barrier.
-        named_barrier_sync(Cfg::kPReadyBarrier + b, 2 * Cfg::kScorerThreads);
+        named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kN / 16; ++kk) {
@@ -276,15 +325,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           for (int v = 0; v < kV; ++v) pv_rs(v, p_fragment[v][kk], v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
         }
       } else {
-        named_barrier_sync(Cfg::kPReadyBarrier + b, 2 * Cfg::kScorerThreads);
-        float rescale[2] = {row_rescale[b * Cfg::kHeadTile + rows[0]], row_rescale[b * Cfg::kHeadTile + rows[1]]};
+        named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
+        float rescale[2] = {row_rescale[pb * Cfg::kHeadTile + rows[0]], row_rescale[pb * Cfg::kHeadTile + rows[1]]};
         if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kN / 16; ++kk) {
 #pragma unroll
           for (int v = 0; v < kV; ++v) {
-            const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(b, v), 16, 8 * Cfg::kPRowBytes, Swizzle::k64B);
+            const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(pb, v), 16, 8 * Cfg::kPRowBytes, Swizzle::k64B);
             pv_ss(v, p_descriptor.offset(kk * 32),
                   v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
           }
@@ -293,7 +342,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       wgmma_commit();
       wgmma_wait_all();
       fence_registers(out_acc);
-      if (i + 2 < tiles.count) named_barrier_arrive(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+      if (i + Cfg::kStages < tiles.count) named_barrier_arrive(Cfg::kEmptyBarrier + b, Cfg::kThreads);
     }
 
     // ---- epilogue: rows of this thread, columns of this consumer's half ----
