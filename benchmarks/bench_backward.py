@@ -9,9 +9,12 @@ same run.
 
 Per format and T: one jitted call of the forward, and one of ``jax.value_and_grad`` of ``sum(out * w) +
 sum(lse)`` with respect to q, the sink and (a ``bf16_*`` cache, ``--cache_gradient``) the cache, for each
-implementation; the median of ``--repeats`` calls after two warm-up calls. Each row also reports the
-largest difference between the two implementations' gradients, relative to the largest gradient
-(docs/semantics.md bounds each against float64 by 2e-2), and TFLOP/s of the matrix products computed:
+implementation; the median of ``--repeats`` calls after two warm-up calls. Where XLA's implementation
+does not fit in the device's memory its times are reported as such ("OOM"). Each row also reports the
+largest difference between the two implementations' gradients, relative to the largest gradient, on the
+row's first ``--check_tokens`` tokens (both implementations run on that sub-problem in the same run:
+XLA's autodiff needs far more memory than the kernels at large T; docs/semantics.md bounds each against
+float64), and TFLOP/s of the matrix products computed:
 forward 2·T·H·topk·(d_qk + d_v); backward (recomputed S, dP, d_q) 2·T·H·topk·(2·d_qk + d_v), plus
 2·T·H·topk·(d_qk + d_v) for the cache's gradient. Results go to ``--out_dir``/bench_backward.{json,md}.
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
+import time
 
 from absl import app, flags
 
@@ -29,6 +34,7 @@ flags.DEFINE_list("tokens", ["64"], "Query rows T (one row of results each).")
 flags.DEFINE_integer("heads", 16, "Query heads H.")
 flags.DEFINE_integer("topk", 256, "Candidates per row.")
 flags.DEFINE_integer("cache_tokens", 8192, "Cache slots.")
+flags.DEFINE_integer("check_tokens", 256, "Tokens of the sub-problem on which the gradients are compared.")
 flags.DEFINE_integer("repeats", 5, "Timed calls per case; the median is reported.")
 flags.DEFINE_enum("cache_gradient", "yes", ["yes", "no", "both"],
                   "With a bf16_* cache: differentiate the cache too (yes), not (no), or a row of each (both).")
@@ -61,6 +67,7 @@ def run_format(kv_format, t, cache_gradient, rng):
     wrt = ("q", "attn_sink") + (("kv_cache",) if cache_gradient and not fmt.quantized else ())
     row = {"format": kv_format, "tokens": t, "heads": h, "topk": FLAGS.topk, "gradients": list(wrt)}
     gradients = {}
+    check = min(t, FLAGS.check_tokens)
     for impl in IMPLS:
         def attend(operands, indices, impl=impl):
             return jsm.sparse_mla(operands["q"], operands["kv_cache"], indices, kv_format=fmt,
@@ -68,23 +75,44 @@ def run_format(kv_format, t, cache_gradient, rng):
 
         def loss(differentiated, operands, indices, attend=attend):
             out, lse = attend({**operands, **differentiated}, indices)
-            return (out.astype(jnp.float32) * weights).sum() + lse.sum()
+            return (out.astype(jnp.float32) * weights[: out.shape[0]]).sum() + lse.sum()
 
         forward = jax.jit(attend)
         forward_backward = jax.jit(jax.value_and_grad(loss))
         differentiated = {name: operands[name] for name in wrt}
         rest = {name: x for name, x in operands.items() if name not in wrt}
-        row[f"{impl}_forward_ms"] = 1e3 * median_step_seconds(forward, (operands, indices), 1, FLAGS.repeats, 1)[0]
-        row[f"{impl}_forward_backward_ms"] = 1e3 * median_step_seconds(
-            forward_backward, (differentiated, rest, indices), 1, FLAGS.repeats, 1)[0]
-        gradients[impl] = forward_backward(differentiated, rest, indices)[1]
-    row["speedup"] = row["xla_forward_backward_ms"] / row["auto_forward_backward_ms"]
+        started = time.perf_counter()
+
+        def progress(stage, impl=impl, started=started):  # on stderr as it happens: a run cut short still says
+            print(f"{kv_format} T={t} {'+'.join(wrt)} {impl}: {stage} after {time.perf_counter() - started:.1f} s",
+                  file=sys.stderr, flush=True)
+
+        try:
+            row[f"{impl}_forward_ms"] = 1e3 * median_step_seconds(forward, (operands, indices), 1, FLAGS.repeats, 1)[0]
+            progress("forward timed")
+            row[f"{impl}_forward_backward_ms"] = 1e3 * median_step_seconds(
+                forward_backward, (differentiated, rest, indices), 1, FLAGS.repeats, 1)[0]
+            progress(f"forward {row[f'{impl}_forward_ms']:.2f} ms, forward+backward "
+                     f"{row[f'{impl}_forward_backward_ms']:.2f} ms")
+        except jax.errors.JaxRuntimeError as error:
+            if impl == "auto" or "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            row[f"{impl}_forward_ms"] = row[f"{impl}_forward_backward_ms"] = None  # XLA's needs exceed the device
+            progress("out of memory")
+        sliced = {name: x[:check] if name == "q" else x for name, x in differentiated.items()}
+        gradients[impl] = jax.block_until_ready(forward_backward(sliced, rest, indices[:check])[1])
+        progress(f"gradients of the first {check} tokens")
+    fits = row["xla_forward_backward_ms"] is not None
+    row["speedup"] = row["xla_forward_backward_ms"] / row["auto_forward_backward_ms"] if fits else None
     products = 2.0 * t * h * FLAGS.topk
     forward_flops = products * (fmt.d_qk + fmt.d_v)
     backward_flops = products * (2 * fmt.d_qk + fmt.d_v + (fmt.d_qk + fmt.d_v if "kv_cache" in wrt else 0))
     for impl in IMPLS:
-        row[f"{impl}_forward_tflops"] = forward_flops / row[f"{impl}_forward_ms"] * 1e-9
-        row[f"{impl}_forward_backward_tflops"] = (forward_flops + backward_flops) / row[f"{impl}_forward_backward_ms"] * 1e-9
+        timed = row[f"{impl}_forward_backward_ms"] is not None
+        row[f"{impl}_forward_tflops"] = forward_flops / row[f"{impl}_forward_ms"] * 1e-9 if timed else None
+        row[f"{impl}_forward_backward_tflops"] = (
+            (forward_flops + backward_flops) / row[f"{impl}_forward_backward_ms"] * 1e-9 if timed else None)
+    row["check_tokens"] = check
     kernel, xla = ({name: g.astype(jnp.float32) for name, g in gradients[impl].items()} for impl in IMPLS)
     row["max_gradient_difference"] = {
         name: float(jnp.abs(kernel[name] - xla[name]).max() / jnp.abs(xla[name]).max()) for name in wrt}
@@ -93,14 +121,20 @@ def run_format(kv_format, t, cache_gradient, rng):
 
 def markdown(rows) -> str:
     lines = ["| format | T | H | topk | gradients | kernel fwd ms | xla fwd ms | kernel fwd+bwd ms | xla fwd+bwd ms "
-             "| speed-up (fwd+bwd) | kernel TFLOP/s (fwd+bwd) | xla TFLOP/s (fwd+bwd) | max gradient difference |",
+             "| speed-up (fwd+bwd) | kernel TFLOP/s (fwd+bwd) | xla TFLOP/s (fwd+bwd) "
+             "| max gradient difference (first tokens) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def number(value, spec, suffix=""):
+        return "OOM" if value is None else f"{value:{spec}}{suffix}"
+
     for r in rows:
         difference = ", ".join(f"{k} {v:.1e}" for k, v in r["max_gradient_difference"].items())
         lines.append(f"| {r['format']} | {r['tokens']} | {r['heads']} | {r['topk']} | {', '.join(r['gradients'])} "
-                     f"| {r['auto_forward_ms']:.2f} | {r['xla_forward_ms']:.2f} | {r['auto_forward_backward_ms']:.2f} "
-                     f"| {r['xla_forward_backward_ms']:.2f} | {r['speedup']:.2f}x "
-                     f"| {r['auto_forward_backward_tflops']:.1f} | {r['xla_forward_backward_tflops']:.1f} | {difference} |")
+                     f"| {r['auto_forward_ms']:.2f} | {number(r['xla_forward_ms'], '.2f')} "
+                     f"| {r['auto_forward_backward_ms']:.2f} | {number(r['xla_forward_backward_ms'], '.2f')} "
+                     f"| {number(r['speedup'], '.2f', 'x')} | {r['auto_forward_backward_tflops']:.1f} "
+                     f"| {number(r['xla_forward_backward_tflops'], '.1f')} | {difference} ({r['check_tokens']}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -120,6 +154,7 @@ def main(argv):
         for t in (int(x) for x in FLAGS.tokens):
             for cache_gradient in (choices[:1] if quantized else choices):
                 rows.append(run_format(kv_format, t, cache_gradient, rng))
+                print(markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     device = jax.devices()[0]
     if device.platform == "cpu":

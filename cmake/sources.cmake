@@ -42,6 +42,13 @@ set(JSMLA_CUDA_SOURCES
   kernels/cuda/hopper/instances/bf16_512_h64.cu
   kernels/cuda/hopper/instances/dsv4_nvfp4_h64.cu
   kernels/cuda/hopper/instances/dsv4_1_fp4_h64.cu
+  kernels/cuda/backward/instances/dsv3_2_h64.cu
+  kernels/cuda/backward/instances/dsv4_h64.cu
+  kernels/cuda/backward/instances/dsv4_1_h64.cu
+  kernels/cuda/backward/instances/bf16_576_h64.cu
+  kernels/cuda/backward/instances/bf16_512_h64.cu
+  kernels/cuda/backward/instances/dsv4_nvfp4_h64.cu
+  kernels/cuda/backward/instances/dsv4_1_fp4_h64.cu
   # generated CUDA instances: end
   ffi/cuda_backward_handler.cu
   ffi/cuda_handlers.cu

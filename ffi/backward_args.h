@@ -1,8 +1,10 @@
 // Buffer/attribute decoding and checks of the backward target (target_name.h): the forward's operands
-// (decoded as in attention_args.h), the forward's lse, the cotangents of out and lse, and the gradients.
+// (decoded as in attention_args.h), the forward's lse and out, the cotangents of out and lse, and the
+// gradients.
 // A zero cotangent and a gradient that is not wanted are passed as empty buffers.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -20,10 +22,11 @@ inline ffi::Error decode_backward(int32_t kv_format, int32_t extra_kv_format, fl
                                   ffi::Buffer<ffi::S32> topk_length, ffi::Buffer<ffi::F32> attn_sink,
                                   ffi::AnyBuffer extra_kv_cache, ffi::Buffer<ffi::S32> extra_indices,
                                   ffi::Buffer<ffi::S32> extra_topk_length, ffi::Buffer<ffi::S32> valid_tokens,
-                                  ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> d_out,
+                                  ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::BF16> out, ffi::Buffer<ffi::BF16> d_out,
                                   ffi::Buffer<ffi::F32> d_lse, ffi::Result<ffi::Buffer<ffi::BF16>> d_q,
                                   ffi::Result<ffi::Buffer<ffi::BF16>> d_kv_cache,
                                   ffi::Result<ffi::Buffer<ffi::F32>> d_attn_sink, int64_t gradient_groups,
+                                  int64_t chunk_tokens,
                                   const FormatTraits** format, BackwardParams* params) {
   AttentionParams& forward = params->forward;
   if (auto error = decode_operands(kv_format, extra_kv_format, sm_scale, main_geometry, extra_geometry, q,
@@ -38,6 +41,10 @@ inline ffi::Error decode_backward(int32_t kv_format, int32_t extra_kv_format, fl
   auto count_is = [](size_t count, int64_t expected) { return static_cast<int64_t>(count) == expected; };
   if (!count_is(lse.element_count(), rows)) {
     return ffi::Error::InvalidArgument("lse: expected " + shape + "], got " + dims_text(lse.dimensions()));
+  }
+  if (!count_is(out.element_count(), rows * f.d_v)) {
+    return ffi::Error::InvalidArgument("out: expected " + shape + ", " + std::to_string(f.d_v) + "], got " +
+                                       dims_text(out.dimensions()));
   }
   if (d_out.element_count() != 0 && !count_is(d_out.element_count(), rows * f.d_v)) {
     return ffi::Error::InvalidArgument("d_out: expected " + shape + ", " + std::to_string(f.d_v) +
@@ -75,8 +82,14 @@ inline ffi::Error decode_backward(int32_t kv_format, int32_t extra_kv_format, fl
                                        std::to_string(forward.num_heads) + "] with attn_sink given, got " +
                                        dims_text(d_attn_sink->dimensions()));
   }
+  if (d_kv_cache->element_count() != 0 && (chunk_tokens < 1 || chunk_tokens > std::max<int64_t>(forward.num_tokens, 1))) {
+    return ffi::Error::InvalidArgument("chunk_tokens: expected 1 to T = " + std::to_string(forward.num_tokens) +
+                                       " with a cache gradient, got " + std::to_string(chunk_tokens));
+  }
   params->gradient_groups = gradient_groups;
+  params->chunk_tokens = chunk_tokens;
   params->lse = lse.typed_data();
+  params->out = reinterpret_cast<const uint16_t*>(out.typed_data());
   params->d_out = d_out.element_count() ? reinterpret_cast<const uint16_t*>(d_out.typed_data()) : nullptr;
   params->d_lse = d_lse.element_count() ? d_lse.typed_data() : nullptr;
   params->d_q = d_q->element_count() ? reinterpret_cast<uint16_t*>(d_q->typed_data()) : nullptr;
@@ -85,18 +98,20 @@ inline ffi::Error decode_backward(int32_t kv_format, int32_t extra_kv_format, fl
   return ffi::Error::Success();
 }
 
-// The backward target's binding: the forward's operands, then lse, d_out and d_lse; the three gradients;
+// The backward target's binding: the forward's operands, then lse, out, d_out and d_lse; the three gradients;
 // the forward's format and geometry attributes (the backward has no plan) and the gradient groups.
 template <typename Binding>
 auto bind_backward(Binding&& binding) {
   return bind_cache_attributes(bind_operands(std::forward<Binding>(binding))
                                    .template Arg<ffi::Buffer<ffi::F32>>()    // lse ([T, H], the forward's)
+                                   .template Arg<ffi::Buffer<ffi::BF16>>()   // out ([T, H, d_v], the forward's)
                                    .template Arg<ffi::Buffer<ffi::BF16>>()   // d_out ([T, H, d_v] or [0])
                                    .template Arg<ffi::Buffer<ffi::F32>>()    // d_lse ([T, H] or [0])
                                    .template Ret<ffi::Buffer<ffi::BF16>>()   // d_q ([T, H, d_qk] or [0])
                                    .template Ret<ffi::Buffer<ffi::BF16>>()   // d_kv_cache ([G, *the cache's shape] or [0])
                                    .template Ret<ffi::Buffer<ffi::F32>>())   // d_attn_sink ([G, H] or [0])
-      .template Attr<int64_t>("gradient_groups");  // G: one cache and sink gradient per T / G rows
+      .template Attr<int64_t>("gradient_groups")   // G: one cache and sink gradient per T / G rows
+      .template Attr<int64_t>("chunk_tokens");     // tokens per chunk of the CUDA cache gradient
 }
 
 }  // namespace jsmla::ffi_glue

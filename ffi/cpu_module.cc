@@ -100,12 +100,20 @@ NB_MODULE(_cpu_ext, m) {
   m.def(
       "backward_workspace_bytes",
       [](int64_t num_tokens, int64_t num_heads, int64_t topk, int64_t gradient_groups, int64_t num_slots,
-         bool cache_gradient) {
+         bool cache_gradient, int64_t d_qk, int64_t chunk_tokens) {
         return jsmla::cuda::BackwardWorkspace::bytes(num_tokens, num_heads, topk, gradient_groups, num_slots,
-                                                     cache_gradient);
+                                                     cache_gradient, d_qk, chunk_tokens);
       },
       nb::arg("num_tokens"), nb::arg("num_heads"), nb::arg("topk"), nb::arg("gradient_groups"), nb::arg("num_slots"),
-      nb::arg("cache_gradient"), "Bytes of the CUDA backward call's workspace.");
+      nb::arg("cache_gradient"), nb::arg("d_qk"), nb::arg("chunk_tokens"), "Bytes of the CUDA backward call's workspace.");
+  m.def(
+      "backward_chunk_tokens",
+      [](int64_t num_tokens, int64_t num_heads, int64_t topk, int64_t d_qk, int64_t budget_bytes) {
+        return jsmla::cuda::BackwardWorkspace::chunk_tokens(num_tokens, num_heads, topk, d_qk, budget_bytes);
+      },
+      nb::arg("num_tokens"), nb::arg("num_heads"), nb::arg("topk"), nb::arg("d_qk"), nb::arg("budget_bytes"),
+      "Tokens per chunk of the CUDA tensor-core cache gradient within budget_bytes.");
+  m.attr("BACKWARD_CHUNK_BUDGET_BYTES") = jsmla::cuda::BackwardWorkspace::kChunkBudgetBytes;
   m.def(
       "kernel_family",
       [](int format_id, int heads_per_block, int capability, int max_shared_bytes, bool hopper_compiled) {

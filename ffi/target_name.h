@@ -6,6 +6,6 @@
 namespace jsmla::ffi_glue {
 
 inline constexpr const char kTargetName[] = "jax_sparse_mla_fwd_v2";
-inline constexpr const char kBackwardTargetName[] = "jax_sparse_mla_bwd_v1";
+inline constexpr const char kBackwardTargetName[] = "jax_sparse_mla_bwd_v2";
 
 }  // namespace jsmla::ffi_glue

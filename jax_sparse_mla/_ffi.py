@@ -224,19 +224,23 @@ def backward_results(problem, kv_cache_shape, wrt, groups: int) -> dict:
             for name, (shape, dtype) in shapes.items()}
 
 
-def call_backward(problem, arrays, lse, d_out, d_lse, *, wrt, groups: int, workspace_bytes: int = 0):
+def call_backward(problem, arrays, out, lse, d_out, d_lse, *, wrt, groups: int, chunk_tokens: int,
+                  workspace_bytes: int = 0):
     """Emits the backward custom call: the vector-Jacobian product of :func:`call`'s attention.
 
     Args:
       problem: the flattened call's ``Problem``.
       arrays: the op's operands by name (flattened rows, absent optional operands left out), as for the
         forward.
+      out: the forward's bfloat16 ``[T, H, d_v]`` (the CUDA tensor-core backward takes each row's
+        ``D = <d_out, out>`` from it; the CPU kernel recomputes D).
       lse: the forward's float32 ``[T, H]``.
       d_out: the cotangent of ``out``, bfloat16 ``[T, H, d_v]``, or None for zero.
       d_lse: the cotangent of ``lse``, float32 ``[T, H]``, or None for zero.
       wrt: the gradients to compute, among ``"q"``, ``"kv_cache"`` (a ``bf16_*`` cache) and ``"attn_sink"``.
       groups: the number of gradients of each shared operand (the cache, the sink): one per ``T / groups``
         consecutive rows (a ``jax.vmap`` batch element each, when the batch is folded into rows).
+      chunk_tokens: tokens per chunk of the CUDA cache gradient (``kernel_tables.backward_chunk_tokens``).
       workspace_bytes: the CUDA handler's workspace result (``kernel_tables.backward_workspace_bytes``),
         dropped from the results; 0 for the CPU handler, which takes none.
 
@@ -255,5 +259,6 @@ def call_backward(problem, arrays, lse, d_out, d_lse, *, wrt, groups: int, works
     if workspace_bytes:
         shapes += (jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8),)
     gradients = jax.ffi.ffi_call(BACKWARD_TARGET, shapes)(
-        *operands, lse, *cotangents, **_format_attrs(problem), gradient_groups=np.int64(groups))
+        *operands, lse, out, *cotangents, **_format_attrs(problem), gradient_groups=np.int64(groups),
+        chunk_tokens=np.int64(chunk_tokens))
     return {name: g for name, g in zip(results, gradients) if name in wrt}

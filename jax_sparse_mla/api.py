@@ -113,8 +113,8 @@ def sparse_mla(q, kv_cache, indices, *, kv_format: Union[str, KVFormat], sm_scal
 
 
 def _differentiable(problem, arrays):
-    """The flattened op with its reverse-mode derivative (backward.py): the forward rule keeps the operands
-    and lse, the backward rule recomputes the rest. Inside ``jax.shard_map`` the results are typed as
+    """The flattened op with its reverse-mode derivative (backward.py): the forward rule keeps the operands,
+    out and lse, the backward rule recomputes the rest. Inside ``jax.shard_map`` the results are typed as
     varying like the operands (backward.typed_as_varying)."""
 
     def attend(arrays):
@@ -129,7 +129,7 @@ def _differentiable(problem, arrays):
         backward.check_differentiable(problem, wrt)
         arrays = {name: x.value for name, x in arrays.items()}
         out, lse = backward.without_second_derivative(attend)(arrays)
-        return (out, lse), backward.Residuals(arrays, lse, wrt)
+        return (out, lse), backward.Residuals(arrays, out, lse, wrt)
 
     def backward_rule(residuals, cotangents):
         d_out, d_lse = cotangents

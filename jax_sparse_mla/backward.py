@@ -1,8 +1,8 @@
 """The reverse-mode derivative of :func:`~jax_sparse_mla.sparse_mla` (docs/semantics.md, differentiation).
 
 ``api.py`` wraps the flattened op in a ``jax.custom_vjp``: its forward rule checks what is differentiated
-(:func:`check_differentiable`) and keeps the operands and ``lse`` as residuals (:class:`Residuals`; no
-attention weights: the backward recomputes them); its backward rule is :func:`vjp`:
+(:func:`check_differentiable`) and keeps the operands, ``out`` and ``lse`` as residuals (:class:`Residuals`;
+no attention weights: the backward recomputes them); its backward rule is :func:`vjp`:
 
 - ``impl="xla"``: XLA's autodiff of the pure-JAX lowering, recomputed from the operands;
 - the FFI kernels (``impl="auto"``): the C++ CPU backward kernel, and on CUDA the CUDA backward kernel
@@ -33,15 +33,16 @@ _ROW_OPERANDS = ("q", "indices", "topk_length", "extra_indices", "extra_topk_len
 
 @dataclasses.dataclass(frozen=True)
 class Residuals:
-    """What the forward rule keeps for the backward: the op's operands, its ``lse`` and (static) the names
-    of the operands being differentiated."""
+    """What the forward rule keeps for the backward: the op's operands, its ``out`` and ``lse`` and (static)
+    the names of the operands being differentiated."""
 
     arrays: dict
+    out: jax.Array
     lse: jax.Array
     wrt: tuple
 
 
-jax.tree_util.register_dataclass(Residuals, data_fields=["arrays", "lse"], meta_fields=["wrt"])
+jax.tree_util.register_dataclass(Residuals, data_fields=["arrays", "out", "lse"], meta_fields=["wrt"])
 
 
 def check_differentiable(problem, wrt) -> None:
@@ -78,7 +79,7 @@ def vjp(problem, residuals: Residuals, d_out, d_lse, *, forward: Callable) -> di
         arrays = residuals.arrays
         if problem.precision == "fp8":  # the query the forward computed with (q itself has no gradient then)
             arrays = dict(arrays, q=quantize_query_fp8(arrays["q"]))
-        gradients = _kernel_vjp(problem, residuals.wrt, 1)(arrays, residuals.lse, d_out, d_lse)
+        gradients = _kernel_vjp(problem, residuals.wrt, 1)(arrays, residuals.out, residuals.lse, d_out, d_lse)
         gradients = {name: (g if name == "q" else g[0]) for name, g in gradients.items()}  # the one group
     return {name: (_typed_like(gradients[name], x) if name in gradients else None)
             for name, x in residuals.arrays.items()}
@@ -133,17 +134,17 @@ def _reference_vjp(forward, arrays, wrt, d_out, d_lse):
 
 
 def _kernel_vjp(problem, wrt, groups: int):
-    """The kernel backward ``(arrays, lse, d_out, d_lse) -> {name: gradient}``, the shared operands'
+    """The kernel backward ``(arrays, out, lse, d_out, d_lse) -> {name: gradient}``, the shared operands'
     gradients with a leading axis of ``groups`` (one per ``T / groups`` consecutive rows), with a vmap rule
     that folds the batch into rows (one kernel call for the whole batch)."""
 
     @jax.custom_batching.custom_vmap
-    def op(arrays, lse, d_out, d_lse):
-        return _lower_kernel_backward(problem, wrt, groups, arrays, lse, d_out, d_lse)
+    def op(arrays, out, lse, d_out, d_lse):
+        return _lower_kernel_backward(problem, wrt, groups, arrays, out, lse, d_out, d_lse)
 
     @op.def_vmap
-    def _fold_batch(axis_size, in_batched, arrays, lse, d_out, d_lse):
-        arrays_batched, lse_batched, d_out_batched, d_lse_batched = in_batched
+    def _fold_batch(axis_size, in_batched, arrays, out, lse, d_out, d_lse):
+        arrays_batched, out_batched, lse_batched, d_out_batched, d_lse_batched = in_batched
         batch, t = axis_size, problem.num_tokens
         rows = batch * t
 
@@ -160,8 +161,8 @@ def _kernel_vjp(problem, wrt, groups: int):
                   for name, x in arrays.items() if name != "valid_tokens"}
         inner = dataclasses.replace(problem, lead_shape=(rows,), num_tokens=rows)
         # Each element keeps its own gradients of the shared operands: a gradient group per element.
-        gradients = _kernel_vjp(inner, wrt, batch * groups)(folded, fold(lse, lse_batched), fold(d_out, d_out_batched),
-                                                            fold(d_lse, d_lse_batched))
+        gradients = _kernel_vjp(inner, wrt, batch * groups)(folded, fold(out, out_batched), fold(lse, lse_batched),
+                                                            fold(d_out, d_out_batched), fold(d_lse, d_lse_batched))
         per_element = {name: g.reshape(batch, *((t, *g.shape[1:]) if name == "q" else (groups, *g.shape[1:])))
                        for name, g in gradients.items()}
         return per_element, {name: True for name in per_element}
@@ -169,23 +170,27 @@ def _kernel_vjp(problem, wrt, groups: int):
     return op
 
 
-def _lower_kernel_backward(problem, wrt, groups, arrays, lse, d_out, d_lse):
+def _lower_kernel_backward(problem, wrt, groups, arrays, out, lse, d_out, d_lse):
     kernel_wrt = tuple(name for name in ("q", "kv_cache", "attn_sink") if name in wrt)
+    # The CUDA cache gradient's chunk of tokens, planned here (both handlers take it; the CPU one ignores it).
+    chunk_tokens = kernel_tables.backward_chunk_tokens(problem.num_tokens, problem.num_heads, problem.topk,
+                                                       problem.fmt.d_qk)
 
-    def cpu(arrays, lse, d_out, d_lse):
-        return _ffi.call_backward(problem, arrays, lse, d_out, d_lse, wrt=kernel_wrt, groups=groups)
+    def cpu(arrays, out, lse, d_out, d_lse):
+        return _ffi.call_backward(problem, arrays, out, lse, d_out, d_lse, wrt=kernel_wrt, groups=groups,
+                                  chunk_tokens=chunk_tokens)
 
-    def cuda(arrays, lse, d_out, d_lse):
+    def cuda(arrays, out, lse, d_out, d_lse):
         layout = problem.layout
         workspace = kernel_tables.backward_workspace_bytes(
             problem.num_tokens, problem.num_heads, problem.topk, groups, layout.num_pages * layout.page_size,
-            "kv_cache" in kernel_wrt)
-        return _ffi.call_backward(problem, arrays, lse, d_out, d_lse, wrt=kernel_wrt, groups=groups,
-                                  workspace_bytes=workspace)
+            "kv_cache" in kernel_wrt, problem.fmt.d_qk, chunk_tokens)
+        return _ffi.call_backward(problem, arrays, out, lse, d_out, d_lse, wrt=kernel_wrt, groups=groups,
+                                  chunk_tokens=chunk_tokens, workspace_bytes=workspace)
 
     # Only the branch of the platform being lowered for is emitted: a CPU program never sees the CUDA one.
-    gradients = jax.lax.platform_dependent(arrays, lse, d_out, d_lse, cpu=cpu, cuda=cuda)
-    return typed_as_varying(gradients, (arrays, lse, d_out, d_lse))
+    gradients = jax.lax.platform_dependent(arrays, out, lse, d_out, d_lse, cpu=cpu, cuda=cuda)
+    return typed_as_varying(gradients, (arrays, out, lse, d_out, d_lse))
 
 
 def typed_as_varying(results, operands):

@@ -3,7 +3,7 @@
 ``jax.export`` refuses to serialise custom calls that are not on JAX's list of targets with a stability
 guarantee. The library gives that guarantee itself: its FFI target names are versioned
 (``jax_sparse_mla._ffi.TARGET``, e.g. ``jax_sparse_mla_fwd_v2``, and the backward's
-``jax_sparse_mla._ffi.BACKWARD_TARGET``, ``jax_sparse_mla_bwd_v1``) and a changed attribute contract gets a
+``jax_sparse_mla._ffi.BACKWARD_TARGET``, ``jax_sparse_mla_bwd_v2``) and a changed attribute contract gets a
 new name, so a serialised program keeps loading with later versions of the library that still register
 the old name. Pass :func:`disabled_checks` to ``jax.export.export``, or use :func:`export`.
 

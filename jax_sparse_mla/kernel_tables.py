@@ -20,6 +20,7 @@ Contract of a CUDA plan (the CUDA handler checks it again):
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from . import _cpu_ext
@@ -27,7 +28,8 @@ from .formats import FORMATS, get_format
 
 __all__ = ["KernelConfig", "VARIANT_IDS", "MIN_HEADS", "MAX_HEADS", "MIN_TOPK", "SPLIT_GRANULE",
            "MIN_COMPUTE_CAPABILITY", "HOPPER_COMPUTE_CAPABILITY", "FAMILIES", "KERNELS", "HOPPER_KERNELS",
-           "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "backward_workspace_bytes", "kernel_family"]
+           "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "backward_workspace_bytes", "backward_chunk_tokens",
+           "BACKWARD_CHUNK_BUDGET_BYTES", "kernel_family"]
 
 _TABLES = _cpu_ext.kernel_tables()
 
@@ -76,12 +78,33 @@ def workspace_bytes(num_splits: int, num_tokens: int, num_heads: int, d_v: int) 
     return int(_cpu_ext.workspace_bytes(num_splits, num_tokens, num_heads, d_v))
 
 
+#: Default bytes of the CUDA tensor-core cache gradient's per-chunk workspace (``backward_chunk_tokens``).
+BACKWARD_CHUNK_BUDGET_BYTES: int = int(_cpu_ext.BACKWARD_CHUNK_BUDGET_BYTES)
+
+
+def backward_chunk_tokens(num_tokens: int, num_heads: int, topk: int, d_qk: int) -> int:
+    """Tokens per chunk of the CUDA tensor-core cache gradient: as many as keep the chunk's P, c and partial
+    rows within ``BACKWARD_CHUNK_BUDGET_BYTES``, or within ``JSMLA_BACKWARD_CHUNK_BYTES`` (a positive number of
+    bytes) when that variable is set in the environment at trace time; at least 1, at most ``num_tokens``."""
+    budget = BACKWARD_CHUNK_BUDGET_BYTES
+    text = os.environ.get("JSMLA_BACKWARD_CHUNK_BYTES", "").strip()
+    if text:
+        try:
+            budget = int(text)
+        except ValueError:
+            budget = 0
+        if budget < 1:
+            raise ValueError(f"JSMLA_BACKWARD_CHUNK_BYTES: expected a positive number of bytes, got {text!r}")
+    return int(_cpu_ext.backward_chunk_tokens(num_tokens, num_heads, topk, d_qk, budget))
+
+
 def backward_workspace_bytes(num_tokens: int, num_heads: int, topk: int, gradient_groups: int, num_slots: int,
-                             cache_gradient: bool) -> int:
+                             cache_gradient: bool, d_qk: int, chunk_tokens: int) -> int:
     """Bytes of the CUDA backward's workspace (layout: ``kernels/cuda/backward_workspace.h``); ``topk`` is the
-    main list's width, ``num_slots`` the main cache's slot count (both used only with ``cache_gradient``)."""
+    main list's width, ``num_slots`` the main cache's slot count, ``d_qk`` its width and ``chunk_tokens``
+    the cache gradient's chunk (``backward_chunk_tokens``; all used only with ``cache_gradient``)."""
     return int(_cpu_ext.backward_workspace_bytes(num_tokens, num_heads, topk, gradient_groups, num_slots,
-                                                 bool(cache_gradient)))
+                                                 bool(cache_gradient), d_qk, chunk_tokens))
 
 
 def kernel_family(kv_format: str, heads_per_block: int, compute_capability: int, max_shared_bytes: int,

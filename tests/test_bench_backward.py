@@ -14,7 +14,7 @@ def test_backward_benchmark_runs_and_gradients_agree(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_backward.py"), "--tokens", "4", "--heads", "3",
          "--topk", "16", "--cache_tokens", "256", "--repeats", "1", "--cache_gradient", "both",
-         "--out_dir", str(tmp_path)],
+         "--check_tokens", "3", "--out_dir", str(tmp_path)],
         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads((tmp_path / "bench_backward.json").read_text())["rows"]
@@ -27,4 +27,20 @@ def test_backward_benchmark_runs_and_gradients_agree(tmp_path):
             flops = 2 * 4 * 3 * 16 * (576 + 512 + 2 * 576 + 512 + (576 + 512 if "kv_cache" in r["gradients"] else 0))
             assert abs(r[f"{impl}_forward_backward_tflops"] - flops / r[f"{impl}_forward_backward_ms"] * 1e-9) < 1e-9
         assert all(0 < d <= 2e-2 for d in r["max_gradient_difference"].values()), r["max_gradient_difference"]
+        assert r["check_tokens"] == 3 and r["speedup"] > 0
     assert "| bf16_576 | 4 | 3 | 16 |" in (tmp_path / "bench_backward.md").read_text()
+
+
+def test_backward_benchmark_reports_an_xla_baseline_out_of_memory():
+    # In a child process: importing the benchmark defines its absl flags, which the other benchmarks'
+    # tests define too.
+    row = {"format": "bf16_576", "tokens": 4096, "heads": 128, "topk": 2048, "gradients": ["q"],
+           "auto_forward_ms": 1.0, "xla_forward_ms": None, "auto_forward_backward_ms": 2.0,
+           "xla_forward_backward_ms": None, "speedup": None, "auto_forward_backward_tflops": 3.0,
+           "xla_forward_backward_tflops": None, "max_gradient_difference": {"q": 1e-3}, "check_tokens": 256}
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); import bench_backward; "
+            f"print(bench_backward.markdown([json.loads({json.dumps(row)!r})]).splitlines()[-1])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ("| bf16_576 | 4096 | 128 | 2048 | q | 1.00 | OOM | 2.00 | OOM | OOM | 3.0 | OOM "
+                                   "| q 1.0e-03 (256) |")

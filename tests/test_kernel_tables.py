@@ -126,7 +126,26 @@ def test_generator_declares_every_table_entry():
         import generate_kernels
     finally:
         sys.path.pop(0)
-    declared = {(family, key, heads) for family, key, _, heads in generate_kernels.instances()}
+    declared = {(family, key, heads) for family, key, _, heads in generate_kernels.instances()
+                if family in generate_kernels.FORWARD_FAMILIES}
     compiled = {(family, key, heads) for family, kernels in kernel_tables.FAMILIES.items() for key, heads in kernels}
     assert declared == compiled
     assert set(generate_kernels.INSTANCES) == set(jsm.FORMATS)
+
+
+def test_backward_family_declares_every_format_its_tiling_serves():
+    # The tensor-core backward (kernels/cuda/backward/mma_launch.h: mma_backward_serves) holds rows of
+    # 512 or 576 lanes with a 512-lane V and scales a BF16 tile carries exactly; each such format needs its
+    # instance (otherwise the SIMT kernel would silently serve it), and no other format may have one (its
+    # instance would not compile).
+    sys.path.insert(0, str(ROOT / "kernels" / "cuda"))
+    try:
+        import generate_kernels
+    finally:
+        sys.path.pop(0)
+    declared = {key for family, key, _, heads in generate_kernels.instances() if family == "backward"}
+    served = {key for key, fmt in jsm.FORMATS.items()
+              if fmt.d_qk in (512, 576) and fmt.d_v == 512
+              and not (fmt.scale_kind == jsm.formats.ScaleKind.FP32 and not fmt.pow2_scales)}
+    assert declared == served
+    assert {heads for family, _, _, heads in generate_kernels.instances() if family == "backward"} == {64}

@@ -1,7 +1,10 @@
-// The CUDA backward kernels (declarations and contract: backward.h). Plain SIMT code, one warp per
-// (token, head) or per cache row: correctness and bitwise reproducibility first, speed not yet.
+// The CUDA backward kernels (declarations and contract: backward.h) and their dispatch. The gradient of q
+// of the formats backward/mma_launch.h lists comes from the tensor-core kernel (backward/mma_kernel.cuh)
+// after a row-terms pass (one warp per (token, head): D = <dO, out> and the sink term); the other
+// formats' (glm_*, dots3_swa) from the SIMT row kernel below, which recomputes D by a first sweep. The
+// rest is SIMT code, one warp per (token, head) or per cache row.
 //
-// Row kernel, block = (token, kHeadsPerBlock heads), a warp per head, the candidates in the forward's
+// SIMT row kernel, block = (token, kHeadsPerBlock heads), a warp per head, the candidates in the forward's
 // order (main list, then extra), dequantized kChunk rows at a time into shared memory as FP32:
 //   sweep 1: s_j = sm_scale <q, K_j>, P_j = exp(s_j - lse), dP_j = <dO, V_j>, D = Σ_j P_j dP_j
 //   sweep 2: the same P_j, dP_j again; c_j = sm_scale P_j (dP_j - D + dl); d_q = Σ_j c_j K_j
@@ -25,6 +28,9 @@
 #include "kernels/common/cache_view.h"
 #include "kernels/common/numeric.h"
 #include "kernels/common/params.h"
+#include "kernels/cuda/backward/mma_config.h"
+#include "kernels/cuda/kernel_list.h"
+#include "kernels/cuda/kernel_table.h"
 #include "kernels/cuda/launch_params.h"
 
 namespace jsmla::cuda {
@@ -87,6 +93,17 @@ __device__ float attention_weight(float score, float lse) {
 __device__ int64_t candidate_slot(const AttentionParams& a, int64_t t, int32_t main_length, int32_t position) {
   if (position < main_length) return a.main.slot(t, position);
   return a.extra.slot(t, position - main_length);
+}
+
+// Row (t, h)'s term of d_attn_sink[h]: exp(sink - lse)(dl - D) for a row with weight on candidates; dl
+// for a (non-padding) row whose lse is +inf (an infinite sink holds all the weight); 0 otherwise.
+__device__ double sink_term(const AttentionParams& a, int h, bool padding, bool active, float lse, float d_lse,
+                            double d_row) {
+  if (!padding && lse == INFINITY) return d_lse;
+  if (active && a.attn_sink != nullptr && a.attn_sink[h] > -INFINITY) {
+    return exp(static_cast<double>(a.attn_sink[h]) - lse) * (d_lse - d_row);
+  }
+  return 0.0;
 }
 
 __global__ void __launch_bounds__(kThreads) backward_rows_kernel(const __grid_constant__ BackwardLaunch launch) {
@@ -186,15 +203,33 @@ __global__ void __launch_bounds__(kThreads) backward_rows_kernel(const __grid_co
     }
   }
   if (launch.d_rows != nullptr && lane == 0) launch.d_rows[row] = d_row;  // D (0 for an inactive row)
-  if (launch.sink_terms != nullptr && lane == 0) {
-    double term = 0.0;
-    if (!padding && lse == INFINITY) {
-      term = d_lse;
-    } else if (active && a.attn_sink != nullptr && a.attn_sink[h] > -INFINITY) {
-      term = exp(static_cast<double>(a.attn_sink[h]) - lse) * (d_lse - d_row);
-    }
-    launch.sink_terms[row] = term;
+  if (launch.sink_terms != nullptr && lane == 0) launch.sink_terms[row] = sink_term(a, h, padding, active, lse, d_lse, d_row);
+}
+
+// The tensor-core path's first pass, one warp per (token, head) row: D = <dO, out> (0 for a row without
+// weight on candidates) into d_rows and the row's sink term, as the SIMT row kernel gives them.
+__global__ void __launch_bounds__(kThreads) backward_row_terms_kernel(const __grid_constant__ BackwardLaunch launch) {
+  const BackwardParams& p = launch.p;
+  const AttentionParams& a = p.forward;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kHeadsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.num_tokens * a.num_heads) return;
+  const int64_t t = row / a.num_heads;
+  const int h = static_cast<int>(row % a.num_heads);
+  const int d_v = launch.main_format.d_v;
+  const int64_t valid_rows = valid_token_count(a.valid_tokens, a.num_tokens);
+  const float lse = p.lse[row];
+  const bool padding = t >= valid_rows;
+  const bool active = !padding && isfinite(lse);
+  const float d_lse = p.d_lse != nullptr ? p.d_lse[row] : 0.0f;
+  float part = 0.0f;
+  if (active && p.d_out != nullptr) {
+    for (int d = lane; d < d_v; d += 32) part += bf16_to_float(p.d_out[row * d_v + d]) * bf16_to_float(p.out[row * d_v + d]);
   }
+  const double d_row = static_cast<double>(warp_sum(part));
+  if (lane != 0) return;
+  launch.d_rows[row] = d_row;
+  if (launch.sink_terms != nullptr) launch.sink_terms[row] = sink_term(a, h, padding, active, lse, d_lse, d_row);
 }
 
 // d_attn_sink[g, h] = Σ over the group's valid rows t, in order, of the sink terms.
@@ -301,6 +336,84 @@ __global__ void __launch_bounds__(32 * kRowWarps) cache_rows_kernel(const __grid
   }
 }
 
+// The tensor-core kernel of the call's format, or nullptr where the SIMT kernels serve it: a format
+// without an instance (kernel_list.h), an extra list in another format, a device that allows a block
+// less shared memory than the instance needs (sm_80, sm_86/89/120), or JSMLA_CUDA_FAMILY=portable (read
+// once per process: the kernels every GPU runs, for comparisons).
+using MmaLauncher = cudaError_t (*)(const backward::BackwardMmaLaunch&, cudaStream_t);
+MmaLauncher mma_launcher(const FormatTraits& main, const FormatTraits& extra, const AttentionParams& a) {
+  static const bool allowed = hopper_allowed_by_environment();
+  if (!allowed || (a.extra.topk > 0 && extra.id != main.id)) return nullptr;
+  int device = 0, shared_bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&shared_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return nullptr;
+  }
+  switch (main.id) {
+#define JSMLA_BACKWARD_CASE(format, heads)                                                    \
+  case FormatId::format:                                                                     \
+    using Cfg##format = backward::BackwardMmaConfig<FormatId::format>;                        \
+    return Cfg##format::kSharedBytes <= shared_bytes ? &backward::launch_backward_mma<Cfg##format> : nullptr;
+    JSMLA_BACKWARD_KERNELS(JSMLA_BACKWARD_CASE)
+#undef JSMLA_BACKWARD_CASE
+    default:
+      return nullptr;
+  }
+}
+
+// The tensor-core path's sums of one chunk of tokens [first_token, end_token).
+struct CacheSumLaunch {
+  CacheGradientLaunch cache;
+  const float* partials;  // [chunk tokens * topk, d_qk]
+  float* accumulator;     // [G * slots, d_qk] (used only with more than one chunk)
+  int64_t first_token, end_token;
+  bool first_chunk, last_chunk;
+};
+
+// One warp per output row (gradient group, slot): adds the partial rows of its pairs whose token is in the
+// chunk, in the sorted (token, candidate) order, to the row's running sum (kept in `accumulator` between
+// chunks, advancing row_first past the pairs taken), and after the last chunk writes it rounded once to
+// bf16 (zeros for a row no valid candidate references).
+__global__ void __launch_bounds__(32 * kRowWarps) cache_sum_kernel(const __grid_constant__ CacheSumLaunch launch) {
+  const CacheGradientLaunch& cache = launch.cache;
+  const AttentionParams& a = cache.p.forward;
+  const int64_t output_row = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (output_row >= cache.p.gradient_groups * cache.num_slots) return;
+  const int d_qk = cache.format.d_qk;
+  float acc[kLanesPerThread];
+#pragma unroll
+  for (int i = 0; i < kLanesPerThread; ++i) {
+    const int d = lane + 32 * i;
+    acc[i] = !launch.first_chunk && d < d_qk ? launch.accumulator[output_row * d_qk + d] : 0.0f;
+  }
+  int32_t k = cache.row_first[output_row];
+  const int32_t last = cache.row_last[output_row];
+  for (; k < last; ++k) {
+    const int32_t position = cache.sorted_pairs[k];
+    const int64_t t = position / a.main.topk;
+    if (t >= launch.end_token) break;
+    const float* partial = launch.partials + ((t - launch.first_token) * a.main.topk + position % a.main.topk) * d_qk;
+#pragma unroll
+    for (int i = 0; i < kLanesPerThread; ++i) {
+      const int d = lane + 32 * i;
+      if (d < d_qk) acc[i] += partial[d];
+    }
+  }
+  __syncwarp();  // every lane has read row_first before lane 0 moves it
+  if (lane == 0) cache.row_first[output_row] = k;
+#pragma unroll
+  for (int i = 0; i < kLanesPerThread; ++i) {
+    const int d = lane + 32 * i;
+    if (d >= d_qk) continue;
+    if (launch.last_chunk) {
+      cache.p.d_kv_cache[output_row * d_qk + d] = float_to_bf16(acc[i]);
+    } else {
+      launch.accumulator[output_row * d_qk + d] = acc[i];
+    }
+  }
+}
+
 int key_bits(uint64_t largest_key) {
   int bits = 1;
   while (bits < 64 && (largest_key >> bits) != 0) ++bits;
@@ -314,13 +427,30 @@ cudaError_t launch_backward(const FormatTraits& main, const FormatTraits& extra,
   const AttentionParams& a = p.forward;
   if (a.num_tokens == 0 || a.num_heads == 0) return cudaSuccess;  // never a zero-size grid
   auto* base = static_cast<uint8_t*>(workspace);
-  const int64_t row_bytes = BackwardWorkspace::row_bytes(a.num_tokens, a.num_heads);
-  BackwardLaunch launch{p, main, extra, reinterpret_cast<double*>(base), reinterpret_cast<double*>(base + row_bytes)};
+  const int64_t num_slots = a.main.cache.num_slots();
+  const BackwardWorkspace::Layout parts = BackwardWorkspace::layout(
+      a.num_tokens, a.num_heads, a.main.topk, p.gradient_groups, num_slots, p.d_kv_cache != nullptr, main.d_qk,
+      p.chunk_tokens);
+  auto at = [base](int64_t offset) { return static_cast<void*>(base + offset); };
+  BackwardLaunch launch{p, main, extra, static_cast<double*>(at(parts.sink_terms)), static_cast<double*>(at(parts.d_rows))};
   if (p.d_attn_sink == nullptr) launch.sink_terms = nullptr;
-  if (p.d_kv_cache == nullptr) launch.d_rows = nullptr;
   const int64_t head_blocks = (a.num_heads + kHeadsPerBlock - 1) / kHeadsPerBlock;
-  backward_rows_kernel<<<static_cast<unsigned>(a.num_tokens * head_blocks), kThreads, 0, stream>>>(launch);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const MmaLauncher mma = p.d_q != nullptr || p.d_kv_cache != nullptr ? mma_launcher(main, extra, a) : nullptr;
+  const bool mma_cache_gradient = mma != nullptr && p.d_kv_cache != nullptr;
+  if (p.d_q == nullptr || mma != nullptr) {
+    // D from out: the row terms, then the tensor-core kernel (here for q alone; with a cache gradient
+    // chunk by chunk below).
+    backward_row_terms_kernel<<<static_cast<unsigned>(a.num_tokens * head_blocks), kThreads, 0, stream>>>(launch);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    if (mma != nullptr && !mma_cache_gradient) {
+      backward::BackwardMmaLaunch whole{p, launch.d_rows};
+      whole.chunk_tokens = a.num_tokens;
+      if (cudaError_t e = mma(whole, stream); e != cudaSuccess) return e;
+    }
+  } else {
+    backward_rows_kernel<<<static_cast<unsigned>(a.num_tokens * head_blocks), kThreads, 0, stream>>>(launch);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
   if (p.d_attn_sink != nullptr) {
     const int64_t items = p.gradient_groups * a.num_heads;
     backward_sink_kernel<<<static_cast<unsigned>((items + kSinkThreads - 1) / kSinkThreads), kSinkThreads, 0,
@@ -329,40 +459,29 @@ cudaError_t launch_backward(const FormatTraits& main, const FormatTraits& extra,
   }
   if (p.d_kv_cache == nullptr) return cudaSuccess;
 
-  // Pass 2: the bf16 main cache's gradient.
+  // The bf16 main cache's gradient: the positions sorted by (gradient group, slot), each output row's run.
   const int64_t n = a.num_tokens * a.main.topk;
-  const int64_t num_slots = a.main.cache.num_slots();
   const int64_t output_rows = p.gradient_groups * num_slots;
   if (output_rows == 0) return cudaSuccess;
-  uint8_t* cursor = base + 2 * row_bytes;
-  auto take = [&](int64_t bytes) {
-    uint8_t* part = cursor;
-    cursor += BackwardWorkspace::align(bytes);
-    return part;
-  };
-  auto* keys0 = reinterpret_cast<uint64_t*>(take(n * 8));
-  auto* keys1 = reinterpret_cast<uint64_t*>(take(n * 8));
-  auto* pairs0 = reinterpret_cast<int32_t*>(take(n * 4));
-  auto* pairs1 = reinterpret_cast<int32_t*>(take(n * 4));
-  auto* row_first = reinterpret_cast<int32_t*>(take(output_rows * 4));
-  auto* row_last = reinterpret_cast<int32_t*>(take(output_rows * 4));
-  void* sort_temp = cursor;
-  const int64_t sort_temp_available = workspace_bytes - (cursor - base);
+  auto* keys0 = static_cast<uint64_t*>(at(parts.keys0));
+  auto* pairs0 = static_cast<int32_t*>(at(parts.pairs0));
+  auto* row_first = static_cast<int32_t*>(at(parts.row_first));
+  auto* row_last = static_cast<int32_t*>(at(parts.row_last));
   CacheGradientLaunch cache{p, main, launch.d_rows, keys0, pairs0, nullptr, nullptr, row_first, row_last, num_slots, n};
   if (n > 0) {
     cache_keys_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(cache);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    cub::DoubleBuffer<uint64_t> sort_keys(keys0, keys1);
-    cub::DoubleBuffer<int32_t> sort_pairs(pairs0, pairs1);
+    cub::DoubleBuffer<uint64_t> sort_keys(keys0, static_cast<uint64_t*>(at(parts.keys1)));
+    cub::DoubleBuffer<int32_t> sort_pairs(pairs0, static_cast<int32_t*>(at(parts.pairs1)));
     const int end_bit = key_bits(static_cast<uint64_t>(output_rows));  // keys < output_rows; kNoKey's high bits ignored
     size_t temp_bytes = 0;
     if (cudaError_t e = cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, sort_keys, sort_pairs, n, 0, end_bit, stream);
         e != cudaSuccess) {
       return e;
     }
-    if (static_cast<int64_t>(temp_bytes) > sort_temp_available) return cudaErrorInvalidValue;  // the bound is wrong
-    if (cudaError_t e = cub::DeviceRadixSort::SortPairs(sort_temp, temp_bytes, sort_keys, sort_pairs, n, 0, end_bit,
-                                                        stream);
+    if (static_cast<int64_t>(temp_bytes) > workspace_bytes - parts.sort_temp) return cudaErrorInvalidValue;  // the bound is wrong
+    if (cudaError_t e = cub::DeviceRadixSort::SortPairs(at(parts.sort_temp), temp_bytes, sort_keys, sort_pairs, n, 0,
+                                                        end_bit, stream);
         e != cudaSuccess) {
       return e;
     }
@@ -375,9 +494,32 @@ cudaError_t launch_backward(const FormatTraits& main, const FormatTraits& extra,
     cache_ranges_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(cache);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
-  cache_rows_kernel<<<static_cast<unsigned>((output_rows + kRowWarps - 1) / kRowWarps), 32 * kRowWarps, 0, stream>>>(
-      cache);
-  return cudaGetLastError();
+  const unsigned row_blocks = static_cast<unsigned>((output_rows + kRowWarps - 1) / kRowWarps);
+  if (!mma_cache_gradient) {
+    cache_rows_kernel<<<row_blocks, 32 * kRowWarps, 0, stream>>>(cache);
+    return cudaGetLastError();
+  }
+
+  // Tensor-core path, chunk by chunk of tokens: q's gradient with every position's P and c, the
+  // positions' partial rows, then each output row adds the chunk's run of its pairs.
+  backward::BackwardMmaLaunch chunk{p, launch.d_rows};
+  chunk.weights = static_cast<uint16_t*>(at(parts.weights));
+  chunk.coefficients = static_cast<uint16_t*>(at(parts.coefficients));
+  chunk.partials = static_cast<float*>(at(parts.partials));
+  chunk.position_pitch = BackwardWorkspace::position_pitch(a.main.topk);
+  CacheSumLaunch sum{cache, chunk.partials, static_cast<float*>(at(parts.accumulator)), 0, 0, true, false};
+  for (int64_t first = 0; first < a.num_tokens; first += parts.chunk_tokens) {
+    chunk.first_token = first;
+    chunk.chunk_tokens = min(parts.chunk_tokens, a.num_tokens - first);
+    if (cudaError_t e = mma(chunk, stream); e != cudaSuccess) return e;
+    sum.first_token = first;
+    sum.end_token = first + chunk.chunk_tokens;
+    sum.last_chunk = sum.end_token == a.num_tokens;
+    cache_sum_kernel<<<row_blocks, 32 * kRowWarps, 0, stream>>>(sum);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    sum.first_chunk = false;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace jsmla::cuda

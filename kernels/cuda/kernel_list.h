@@ -34,3 +34,12 @@
   X(kBf16_512, 64) \
   X(kDsv4Nvfp4, 64) \
   X(kDsv41Fp4, 64)
+
+#define JSMLA_BACKWARD_KERNELS(X) \
+  X(kDsv32, 64) \
+  X(kDsv4, 64) \
+  X(kDsv41, 64) \
+  X(kBf16_576, 64) \
+  X(kBf16_512, 64) \
+  X(kDsv4Nvfp4, 64) \
+  X(kDsv41Fp4, 64)

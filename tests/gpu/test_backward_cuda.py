@@ -1,6 +1,7 @@
 """GPU tests of the CUDA backward kernel (gradients of q, attn_sink and a bf16 cache; docs/semantics.md,
 differentiation): against the float64 oracle of the derivative (tests/test_backward.py, itself checked by
-finite differences) within the backward's accuracy contract, over the forward's edge cases; bitwise
+finite differences, with D as the serving kernel takes it: _reference) within the backward's accuracy
+contract, over the forward's edge cases; bitwise
 reproducible; under jit and vmap. Skipped without a GPU and the
 CUDA extension; tests named *sanitize* also run under compute-sanitizer (memcheck)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
 import sys
 
 import jax
@@ -23,8 +25,26 @@ import test_backward as tb  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "kernels", "cuda"))
+import generate_kernels  # noqa: E402
+
 gpu = pytest.mark.gpu
 ALL = ("q", "attn_sink", "kv_cache")
+TENSOR_CORE_FORMATS = {key for family, key, _, _ in generate_kernels.instances() if family == "backward"}
+
+
+def _tensor_core_backward(case):
+    """Whether the tensor-core backward serves ``case`` on this GPU (docs/semantics.md, differentiation: a
+    format of its family, an extra list in the main cache's format, an sm_90 GPU, JSMLA_CUDA_FAMILY not
+    "portable")."""
+    return (case.key in TENSOR_CORE_FORMATS and (case.extra is None or case.extra.key == case.key)
+            and getattr(jax.devices()[0], "compute_capability", None) == "9.0" and os.environ.get("JSMLA_CUDA_FAMILY") != "portable")
+
+
+def _reference(case, d_out, d_lse, out):
+    """The oracle's gradients for the kernel that serves ``case``: the tensor-core kernels take D = <dO, out>
+    from the returned bfloat16 ``out`` (FlashAttention's convention), the SIMT kernels compute D exactly."""
+    return tb.case_vjp(case, d_out, d_lse, rounded_out=out if _tensor_core_backward(case) else None)
 
 
 def _check(rng, case, wrt=ALL):
@@ -34,7 +54,7 @@ def _check(rng, case, wrt=ALL):
     wrt = tuple(name for name in wrt if name in tb.differentiable_names(case))
     out, lse, grads = tb.library_vjp(case, "auto", d_out, d_lse, wrt)
     oracle.check_accuracy(out, lse, *case.reference())
-    ref = tb.case_vjp(case, d_out, d_lse)
+    ref = _reference(case, d_out, d_lse, out)
     for name, g in grads.items():
         tb.check_gradient(name, g, ref[name])
     _, _, again = tb.library_vjp(case, "auto", d_out, d_lse, wrt)
@@ -133,3 +153,71 @@ def test_cuda_cache_gradient_of_heavily_shared_slots(rng):
     case = cases.make_case(rng, "bf16_576", num_tokens=128, num_heads=4, topk=64, page_size=4, cache_tokens=16,
                            attn_sink=rng.standard_normal(4), topk_length=None, invalid_fraction=0.05)
     _check(rng, case)
+
+
+@gpu
+def test_cuda_backward_tensor_core_tiles_sanitize(rng):
+    """The tensor-core kernel's edges: 80 heads (a second, partial 64-head tile), 45 + 13 candidates (partial
+    32-candidate tiles at the end of each list) of a same-format dual cache, lengths, padding rows with NaN q."""
+    case = cases.make_case(rng, "dsv4_1", num_tokens=5, num_heads=80, topk=45, page_size=4,
+                           attn_sink=rng.standard_normal(80), topk_length=np.array([45, 0, 31, 33, 45], np.int32),
+                           extra=dict(page_size=4, topk=13), valid_tokens=4)
+    case.q[4:] = np.nan
+    grads = _check(rng, case)
+    assert np.all(grads["q"][4:] == 0)
+
+
+@gpu
+@pytest.mark.parametrize("key", ["bf16_576", "dsv3_2"])
+def test_cuda_backward_gradient_of_lse_alone_and_of_the_sink_alone(rng, key):
+    """A loss of lse alone (the cotangent of out is a symbolic zero: no dO reaches the kernels), and the
+    sink's gradient without q's (no d_q kernel runs)."""
+    case = cases.make_case(rng, key, num_tokens=3, num_heads=70, topk=40, attn_sink=rng.standard_normal(70))
+    static, arrays = tb.case_arrays(case, "auto")
+
+    def lse_loss(q):
+        _, lse = tb.attend(static, {**arrays, "q": q})
+        return jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+    d_q = np.asarray(jax.jit(jax.grad(lse_loss))(arrays["q"])).astype(np.float64)
+    t, h = case.q.shape[:2]
+    d_out = np.zeros((t, h, oracle.SPECS[key].d_v), np.float32)
+    ref = tb.case_vjp(case, d_out, np.ones((t, h), np.float32))
+    tb.check_gradient("q", d_q, ref["q"])
+    d_out, d_lse = tb.random_cotangents(rng, case)
+    out, _, grads = tb.library_vjp(case, "auto", d_out, d_lse, ("attn_sink",))
+    tb.check_gradient("attn_sink", grads["attn_sink"], _reference(case, d_out, d_lse, out)["attn_sink"])
+
+
+@gpu
+def test_cuda_cache_gradient_in_chunks_of_tokens_sanitize(rng, monkeypatch):
+    """The tensor-core cache gradient taken 3 tokens at a time (JSMLA_BACKWARD_CHUNK_BYTES): slots shared
+    across chunks, a padding row; the same bits as in one chunk (the running sums are kept in fp32)."""
+    case = cases.make_case(rng, "bf16_576", num_tokens=7, num_heads=70, topk=40, page_size=4, cache_tokens=24,
+                           attn_sink=rng.standard_normal(70), valid_tokens=6)
+    whole = _check(rng, case)
+    per_token = 2 * 70 * 64 * 2 + 40 * 576 * 4  # P and c (positions padded to 64), partial rows
+    monkeypatch.setenv("JSMLA_BACKWARD_CHUNK_BYTES", str(3 * per_token))
+    assert jsm.kernel_tables.backward_chunk_tokens(7, 70, 40, 576) == 3
+    d_out, d_lse = tb.random_cotangents(np.random.default_rng(1), case)
+    out, _, chunked = tb.library_vjp(case, "auto", d_out, d_lse, ALL)
+    monkeypatch.delenv("JSMLA_BACKWARD_CHUNK_BYTES")
+    _, _, single = tb.library_vjp(case, "auto", d_out, d_lse, ALL)
+    ref = _reference(case, d_out, d_lse, out)
+    for name in single:
+        tb.check_gradient(name, chunked[name], ref[name])
+        np.testing.assert_array_equal(chunked[name], single[name], err_msg=name)
+    assert whole["kv_cache"].shape == chunked["kv_cache"].shape
+
+
+@gpu
+@pytest.mark.skipif(os.environ.get("JSMLA_CUDA_FAMILY") == "portable", reason="already on the SIMT kernels")
+def test_cuda_backward_simt_kernels_in_a_subprocess(tmp_path):
+    """JSMLA_CUDA_FAMILY=portable (read once per process) keeps the backward on the SIMT kernels an sm_90
+    GPU otherwise leaves to other devices: this file's format, edge-case and cache-gradient tests on them."""
+    env = dict(os.environ, JSMLA_CUDA_FAMILY="portable")
+    selection = "every_format or empty_rows or tensor_core_tiles or shared_and_unreferenced or lse_alone"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
+                             selection, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
