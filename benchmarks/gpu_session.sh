@@ -19,6 +19,9 @@
 #                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
 #   bash benchmarks/gpu_session.sh backward       # build + the backward's GPU tests + memcheck over their
 #                                                 # sanitize tests + bench_backward.py's H200 rows
+#   bash benchmarks/gpu_session.sh backward_profile
+#                                                 # build + ncu per-kernel times of one jitted jax.grad step
+#                                                 # (bf16_576 T=1024 H=128: q, q + cache; dsv3_2: q)
 #   JSMLA_TEST_ARGS='-m gpu -k backward' bash benchmarks/gpu_session.sh tests
 #                                                 # build + the pytest selection JSMLA_TEST_ARGS
 #
@@ -104,6 +107,17 @@ case "$mode" in
       --tokens 1024,4096 --heads 128 --topk 2048 --cache_tokens 65536 --cache_gradient both --repeats 3 \
       --check_tokens 128 --out_dir "$out" > "$out/bench_backward.log" 2> "$out/bench_backward.err" || status=1
     grep -E "^\|" "$out/bench_backward.err" | tail -12
+    ;;
+  backward_profile)
+    for profile in bf16_576:q bf16_576:cache dsv3_2:q; do
+      format=${profile%:*} gradient=${profile#*:}
+      ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+        python3 "$repo/benchmarks/step_profile.py" --format "$format" --tokens 1024 --heads 128 \
+        --gradient "$gradient" --steps 1 --once > "$out/backward_${format}_$gradient.csv" 2> "$out/backward_${format}_$gradient.err" ||
+        status=1
+      echo "== jax.grad step, $format T=1024 H=128, gradient of $gradient"
+      python3 "$repo/benchmarks/step_profile.py" --summarize "$out/backward_${format}_$gradient.csv" --steps 1 | tail -14
+    done
     ;;
   sanitize)
     # memcheck over every *sanitize* test; racecheck and synccheck (slower: every shared-memory access

@@ -8,9 +8,14 @@
         python benchmarks/step_profile.py --tokens 128 --heads 128 --steps 4 --once > kernels.csv
     python benchmarks/step_profile.py --summarize kernels.csv --steps 4
 
-Same cache, query and index distributions as ``bench.py`` (``dsv3_2``, 192 MB pool, page 64, random
-indices, topk 2048). ``--once`` runs the jitted scan twice (compile, then one measured call) so a
-profiler sees exactly one call's kernels last.
+Same cache, query and index distributions as ``bench.py`` (``dsv3_2`` unless ``--format``, 192 MB pool,
+page 64, random indices, topk 2048). ``--once`` runs the jitted scan twice (compile, then one measured
+call) so a profiler sees exactly one call's kernels last. ``--gradient q`` (or ``cache``, a ``bf16_*``
+cache) makes the step ``jax.grad`` of ``sum(out) + sum(finite lse)`` with respect to q (and the cache):
+the forward and the backward's kernels, e.g.
+
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv python benchmarks/step_profile.py \
+        --format bf16_576 --tokens 1024 --heads 128 --gradient cache --steps 1 --once > backward.csv
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--heads", type=int, default=128)
     parser.add_argument("--impl", default="auto")
+    parser.add_argument("--format", default="dsv3_2", help="cache format")
+    parser.add_argument("--gradient", choices=("none", "q", "cache"), default="none",
+                        help="step = the forward (none), or jax.grad with respect to q (q) or q and the cache")
     parser.add_argument("--steps", default="8,32", help="comma-separated scan lengths")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--once", action="store_true", help="compile, then run one call (for a profiler)")
@@ -81,7 +89,9 @@ def main():
 
     import jax_sparse_mla as jsm
 
-    fmt = jsm.get_format("dsv3_2")
+    fmt = jsm.get_format(args.format)
+    if args.gradient == "cache" and fmt.quantized:
+        parser.error(f"--gradient cache needs a bf16_* cache: {fmt.key}'s is a constant")
     page_size = 64
     pages = -(-(192 * 1024 * 1024) // (page_size * fmt.bytes_per_token))
     kv = jax.random.normal(jax.random.PRNGKey(0), (pages * page_size, fmt.d_qk), jnp.float32)
@@ -94,11 +104,18 @@ def main():
                     impl=args.impl)
     print(plan.describe(), file=sys.stderr)
 
+    def loss(q, cache, idx):
+        out, lse = jsm.sparse_mla(q, cache, idx, kv_format=fmt, sm_scale=sm_scale, impl=args.impl)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
     @jax.jit
     def run(q, cache, xs):
         def step(carry, idx):
-            out, _ = jsm.sparse_mla(q, cache, idx, kv_format=fmt, sm_scale=sm_scale, impl=args.impl)
-            return carry + jnp.sum(out.astype(jnp.float32)), None
+            if args.gradient == "none":
+                out, _ = jsm.sparse_mla(q, cache, idx, kv_format=fmt, sm_scale=sm_scale, impl=args.impl)
+                return carry + jnp.sum(out.astype(jnp.float32)), None
+            grads = jax.grad(loss, argnums=(0,) if args.gradient == "q" else (0, 1))(q, cache, idx)
+            return carry + sum(jnp.sum(g.astype(jnp.float32)) for g in grads), None
 
         return jax.lax.scan(step, jnp.zeros((), jnp.float32), xs, unroll=True)[0]
 
@@ -113,7 +130,7 @@ def main():
             start = time.perf_counter()
             jax.block_until_ready(run(q, cache, xs))
             samples.append((time.perf_counter() - start) / steps * 1e6)
-        print(f"T={args.tokens} H={args.heads} impl={args.impl} steps={steps}: median {statistics.median(samples):.1f} "
+        print(f"{fmt.key} T={args.tokens} H={args.heads} impl={args.impl} gradient={args.gradient} steps={steps}: median {statistics.median(samples):.1f} "
               f"µs/step (min {min(samples):.1f}, max {max(samples):.1f})")
     return 0
 

@@ -315,3 +315,21 @@ def test_bench_generic_baseline_rows_are_dequantize_kv(key):
     assert np.array_equal(np.asarray(v[:, :window]), np.asarray(expected[:, :window, :fmt.d_v]))
     assert np.array_equal(np.asarray(masked[:, :window]), np.asarray(indices[:, :window]))
     assert bool(jnp.all(masked[:, window:] == -1))
+
+
+def test_step_profile_gradient_step_runs(tmp_path):
+    """benchmarks/step_profile.py --gradient cache: a jitted step of jax.grad with respect to q and a bf16
+    cache runs and reports its time; a quantized cache is refused with the reason."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "step_profile.py")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, script, "--format", "bf16_576", "--tokens", "2", "--heads", "4",
+                           "--gradient", "cache", "--steps", "1", "--repeats", "1"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bf16_576 T=2 H=4 impl=auto gradient=cache steps=1: median" in proc.stdout
+    refused = subprocess.run([sys.executable, script, "--format", "dsv3_2", "--gradient", "cache"],
+                             env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert refused.returncode != 0 and "needs a bf16_* cache" in refused.stderr
