@@ -10,7 +10,8 @@ same run.
 Per format and T: one jitted call of the forward, and one of ``jax.value_and_grad`` of ``sum(out * w) +
 sum(lse)`` with respect to q, the sink and (a ``bf16_*`` cache, ``--cache_gradient``) the cache, for each
 implementation; the median of ``--repeats`` calls after two warm-up calls. Where XLA's implementation
-does not fit in the device's memory its times are reported as such ("OOM"). Each row also reports the
+does not fit in the device's memory its times are reported as such ("OOM"); with ``--notime_xla`` they are
+"not timed" (XLA then runs only on the sub-problem below, for A/B runs of the kernels). Each row also reports the
 largest difference between the two implementations' gradients, relative to the largest gradient, on the
 row's first ``--check_tokens`` tokens (both implementations run on that sub-problem in the same run:
 XLA's autodiff needs far more memory than the kernels at large T; docs/semantics.md bounds each against
@@ -34,15 +35,24 @@ flags.DEFINE_list("tokens", ["64"], "Query rows T (one row of results each).")
 flags.DEFINE_integer("heads", 16, "Query heads H.")
 flags.DEFINE_integer("topk", 256, "Candidates per row.")
 flags.DEFINE_integer("cache_tokens", 8192, "Cache slots.")
+flags.DEFINE_bool("time_xla", True, "Time XLA's implementation at the row's T (without: XLA runs only on the "
+                  "--check_tokens sub-problem the gradients are compared on; for A/B runs of the kernels).")
 flags.DEFINE_integer("check_tokens", 256, "Tokens of the sub-problem on which the gradients are compared.")
 flags.DEFINE_integer("repeats", 5, "Timed calls per case; the median is reported.")
 flags.DEFINE_enum("cache_gradient", "yes", ["yes", "no", "both"],
                   "With a bf16_* cache: differentiate the cache too (yes), not (no), or a row of each (both).")
+flags.DEFINE_list("side_by_side", [], "name=path/bench_backward.json,...: print these runs' rows side by side "
+                  "(forward+backward times relative to the first run's) and exit.")
 flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"), "Where results go.")
 FLAGS = flags.FLAGS
 
 PAGE_SIZE = 64
 IMPLS = ("auto", "xla")
+NOT_TIMED = "not timed"  # a time not measured (--notime_xla); None: out of memory
+
+
+class _NotTimed(Exception):
+    pass
 
 
 def run_format(kv_format, t, cache_gradient, rng):
@@ -88,12 +98,16 @@ def run_format(kv_format, t, cache_gradient, rng):
                   file=sys.stderr, flush=True)
 
         try:
+            if impl == "xla" and not FLAGS.time_xla:
+                raise _NotTimed
             row[f"{impl}_forward_ms"] = 1e3 * median_step_seconds(forward, (operands, indices), 1, FLAGS.repeats, 1)[0]
             progress("forward timed")
             row[f"{impl}_forward_backward_ms"] = 1e3 * median_step_seconds(
                 forward_backward, (differentiated, rest, indices), 1, FLAGS.repeats, 1)[0]
             progress(f"forward {row[f'{impl}_forward_ms']:.2f} ms, forward+backward "
                      f"{row[f'{impl}_forward_backward_ms']:.2f} ms")
+        except _NotTimed:
+            row[f"{impl}_forward_ms"] = row[f"{impl}_forward_backward_ms"] = NOT_TIMED
         except jax.errors.JaxRuntimeError as error:
             if impl == "auto" or "RESOURCE_EXHAUSTED" not in str(error):
                 raise
@@ -102,16 +116,18 @@ def run_format(kv_format, t, cache_gradient, rng):
         sliced = {name: x[:check] if name == "q" else x for name, x in differentiated.items()}
         gradients[impl] = jax.block_until_ready(forward_backward(sliced, rest, indices[:check])[1])
         progress(f"gradients of the first {check} tokens")
-    fits = row["xla_forward_backward_ms"] is not None
-    row["speedup"] = row["xla_forward_backward_ms"] / row["auto_forward_backward_ms"] if fits else None
+    timed = {impl: isinstance(row[f"{impl}_forward_backward_ms"], float) for impl in IMPLS}
+    row["speedup"] = (row["xla_forward_backward_ms"] / row["auto_forward_backward_ms"] if timed["xla"]
+                      else row["xla_forward_backward_ms"])
     products = 2.0 * t * h * FLAGS.topk
     forward_flops = products * (fmt.d_qk + fmt.d_v)
     backward_flops = products * (2 * fmt.d_qk + fmt.d_v + (fmt.d_qk + fmt.d_v if "kv_cache" in wrt else 0))
     for impl in IMPLS:
-        timed = row[f"{impl}_forward_backward_ms"] is not None
-        row[f"{impl}_forward_tflops"] = forward_flops / row[f"{impl}_forward_ms"] * 1e-9 if timed else None
-        row[f"{impl}_forward_backward_tflops"] = (
-            (forward_flops + backward_flops) / row[f"{impl}_forward_backward_ms"] * 1e-9 if timed else None)
+        if not timed[impl]:  # None (out of memory) or NOT_TIMED
+            row[f"{impl}_forward_tflops"] = row[f"{impl}_forward_backward_tflops"] = row[f"{impl}_forward_ms"]
+            continue
+        row[f"{impl}_forward_tflops"] = forward_flops / row[f"{impl}_forward_ms"] * 1e-9
+        row[f"{impl}_forward_backward_tflops"] = (forward_flops + backward_flops) / row[f"{impl}_forward_backward_ms"] * 1e-9
     row["check_tokens"] = check
     kernel, xla = ({name: g.astype(jnp.float32) for name, g in gradients[impl].items()} for impl in IMPLS)
     row["max_gradient_difference"] = {
@@ -126,7 +142,9 @@ def markdown(rows) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def number(value, spec, suffix=""):
-        return "OOM" if value is None else f"{value:{spec}}{suffix}"
+        if value is None:
+            return "OOM"
+        return value if isinstance(value, str) else f"{value:{spec}}{suffix}"
 
     for r in rows:
         difference = ", ".join(f"{k} {v:.1e}" for k, v in r["max_gradient_difference"].items())
@@ -138,8 +156,44 @@ def markdown(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def side_by_side(runs) -> str:
+    """The rows of several runs (``[(name, rows)]``) side by side: per (format, T, H, topk, gradients) of the
+    first run, each run's forward+backward ms, its ratio to the first run's, and its gradients' largest
+    difference against XLA's."""
+    def key(r):
+        return r["format"], r["tokens"], r["heads"], r["topk"], tuple(r["gradients"])
+
+    names = [name for name, _ in runs]
+    lines = ["| format | T | H | topk | gradients | " + " | ".join(f"{n} fwd+bwd ms (ratio)" for n in names)
+             + " | " + " | ".join(f"{n} max gradient difference" for n in names) + " |",
+             "|---|---|---|---|---|" + "---|" * (2 * len(names))]
+    by_run = [{key(r): r for r in rows} for _, rows in runs]
+    for k, first in by_run[0].items():
+        times, differences = [], []
+        for rows in by_run:
+            r = rows.get(k)
+            if r is None:
+                times.append("missing")
+                differences.append("")
+                continue
+            times.append(f"{r['auto_forward_backward_ms']:.2f} "
+                         f"({r['auto_forward_backward_ms'] / first['auto_forward_backward_ms']:.2f})")
+            differences.append(", ".join(f"{n} {v:.1e}" for n, v in r["max_gradient_difference"].items()))
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {', '.join(k[4])} | " + " | ".join(times) + " | "
+                     + " | ".join(differences) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv):
     del argv
+    if FLAGS.side_by_side:
+        runs = []
+        for item in FLAGS.side_by_side:
+            name, path = item.split("=", 1)
+            with open(path) as f:
+                runs.append((name, json.load(f)["rows"]))
+        print(side_by_side(runs))
+        return
     import numpy as np
 
     import jax

@@ -44,3 +44,29 @@ def test_backward_benchmark_reports_an_xla_baseline_out_of_memory():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == ("| bf16_576 | 4096 | 128 | 2048 | q | 1.00 | OOM | 2.00 | OOM | OOM | 3.0 | OOM "
                                    "| q 1.0e-03 (256) |")
+
+
+def test_backward_benchmark_side_by_side_of_two_runs(tmp_path):
+    """--notime_xla (XLA only on the check sub-problem: "not timed" columns), then --side_by_side of two
+    runs' JSON: each run's forward+backward time and its ratio to the first run's."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for name in ("base", "variant"):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "bench_backward.py"), "--tokens", "4", "--heads", "3",
+             "--topk", "16", "--cache_tokens", "256", "--repeats", "1", "--formats", "dsv3_2", "--notime_xla",
+             "--check_tokens", "2", "--out_dir", str(tmp_path / name)],
+            env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "base" / "bench_backward.json").read_text())["rows"]
+    assert rows[0]["xla_forward_backward_ms"] == "not timed" and rows[0]["speedup"] == "not timed"
+    assert 0 < rows[0]["max_gradient_difference"]["q"] <= 2e-2
+    runs = ",".join(f"{n}={tmp_path / n / 'bench_backward.json'}" for n in ("base", "variant"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_backward.py"), "--side_by_side", runs],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("| dsv3_2 ")][0]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    variant = json.loads((tmp_path / "variant" / "bench_backward.json").read_text())["rows"][0]
+    assert cells[5].endswith("(1.00)")
+    ratio = variant["auto_forward_backward_ms"] / rows[0]["auto_forward_backward_ms"]
+    assert cells[6] == f"{variant['auto_forward_backward_ms']:.2f} ({ratio:.2f})"
