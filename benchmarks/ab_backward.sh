@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Side-by-side timing of the CUDA backward of source trees on one GPU: for each tree given (a copy of the
 # repository, e.g. `git archive <branch> | tar x -C .ab/<name>`, carried with .ab) it builds and
-# installs the tree, runs its backward GPU tests, then its bench_backward.py rows (XLA only on the
-# sub-problem the gradients are checked on), and prints the rows side by side, each tree's
+# installs the tree, runs its backward GPU tests, then this checkout's bench_backward.py on it (the
+# same harness for every tree; XLA only on the sub-problem the gradients are checked on), and prints the rows side by side, each tree's
 # forward+backward time relative to the first tree's (the baseline).
 #
 #   bash benchmarks/ab_backward.sh .ab/main .ab/variant ...
@@ -11,6 +11,7 @@
 # topk 2048, with and without the cache's gradient). Logs and each tree's rows go to $OUT (default
 # /tmp/jsmla_ab_backward).
 set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_ab_backward}
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -30,11 +31,11 @@ for tree in "$@"; do
     > "$out/tests_$name.log" 2>&1 || status=1
   echo "$name tests: $(tail -1 "$out/tests_$name.log")"
   # shellcheck disable=SC2086
-  (cd /tmp && python3 "$dir/benchmarks/bench_backward.py" $args --notime_xla --out_dir "$out/$name") \
+  (cd /tmp && python3 "$repo/benchmarks/bench_backward.py" $args --notime_xla --out_dir "$out/$name") \
     > "$out/bench_$name.log" 2> "$out/bench_$name.err" || status=1
   grep -E "^\|" "$out/bench_$name.err" | sed "s/^/$name: /"
   runs="${runs:+$runs,}$name=$out/$name/bench_backward.json"
 done
-python3 "$(dirname "$0")/bench_backward.py" --side_by_side "$runs" || status=1
+python3 "$repo/benchmarks/bench_backward.py" --side_by_side "$runs" || status=1
 echo "ab_backward: status $status"
 exit $status
