@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh smoke          # build + GPU smoke tier + smoke benchmark
 #   bash benchmarks/gpu_session.sh full           # build + full GPU matrix
 #   bash benchmarks/gpu_session.sh sanitize       # build + compute-sanitizer memcheck, racecheck and
-#                                                 # synccheck on the tests named *sanitize*
+#                                                 # synccheck on the tests named *sanitize*, and racecheck
+#                                                 # on kernels/cuda/tests/racecheck_probe.cu's hand-overs
 #   bash benchmarks/gpu_session.sh soak           # build + tests/gpu/soak.py (20 000 random launches
 #                                                 # under a watchdog, every 100th checked on the CPU)
 #   bash benchmarks/gpu_session.sh bench          # build + GPU smoke tier + the full benchmark grid
@@ -139,6 +140,17 @@ case "$mode" in
       echo "$tool: exit $rc; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
       grep -E "passed|failed" "$out/sanitizer_$tool.log" | tail -1
     done
+    # What racecheck makes of a correct hand-over through counted named barriers (the kernels'), beside a
+    # block-wide one (must be silent) and none at all (must be reported): kernels/cuda/tests/racecheck_probe.cu.
+    if (cd "$repo" && nvcc -std=c++17 -O3 -arch=sm_90a -I. kernels/cuda/tests/racecheck_probe.cu -o "$out/racecheck_probe") \
+        > "$out/racecheck_probe_build.log" 2>&1; then
+      for probe in counted aligned block none; do
+        compute-sanitizer --tool racecheck --racecheck-report all "$out/racecheck_probe" $probe > "$out/racecheck_probe_$probe.log" 2>&1
+        echo "racecheck probe $probe: exit $?; $(grep -E "racecheck_probe|RACECHECK SUMMARY" "$out/racecheck_probe_$probe.log" | tr '\n' ' ')"
+      done
+    else
+      echo "racecheck probe: BUILD FAILED"; status=1
+    fi
     ;;
   soak)
     timeout "${JSMLA_SOAK_TIMEOUT:-420}" python3 "$repo/tests/gpu/soak.py" --launches "${JSMLA_SOAK_LAUNCHES:-20000}" \
