@@ -51,10 +51,6 @@ IMPLS = ("auto", "xla")
 NOT_TIMED = "not timed"  # a time not measured (--notime_xla); None: out of memory
 
 
-class _NotTimed(Exception):
-    pass
-
-
 def run_format(kv_format, t, cache_gradient, rng):
     """The results row of one format, T and choice of gradients: times per implementation, TFLOP/s and the
     gradients' difference."""
@@ -97,22 +93,22 @@ def run_format(kv_format, t, cache_gradient, rng):
             print(f"{kv_format} T={t} {'+'.join(wrt)} {impl}: {stage} after {time.perf_counter() - started:.1f} s",
                   file=sys.stderr, flush=True)
 
-        try:
-            if impl == "xla" and not FLAGS.time_xla:
-                raise _NotTimed
-            row[f"{impl}_forward_ms"] = 1e3 * median_step_seconds(forward, (operands, indices), 1, FLAGS.repeats, 1)[0]
-            progress("forward timed")
-            row[f"{impl}_forward_backward_ms"] = 1e3 * median_step_seconds(
-                forward_backward, (differentiated, rest, indices), 1, FLAGS.repeats, 1)[0]
-            progress(f"forward {row[f'{impl}_forward_ms']:.2f} ms, forward+backward "
-                     f"{row[f'{impl}_forward_backward_ms']:.2f} ms")
-        except _NotTimed:
+        if impl == "xla" and not FLAGS.time_xla:
             row[f"{impl}_forward_ms"] = row[f"{impl}_forward_backward_ms"] = NOT_TIMED
-        except jax.errors.JaxRuntimeError as error:
-            if impl == "auto" or "RESOURCE_EXHAUSTED" not in str(error):
-                raise
-            row[f"{impl}_forward_ms"] = row[f"{impl}_forward_backward_ms"] = None  # XLA's needs exceed the device
-            progress("out of memory")
+        else:
+            try:
+                row[f"{impl}_forward_ms"] = 1e3 * median_step_seconds(forward, (operands, indices), 1, FLAGS.repeats,
+                                                                      1)[0]
+                progress("forward timed")
+                row[f"{impl}_forward_backward_ms"] = 1e3 * median_step_seconds(
+                    forward_backward, (differentiated, rest, indices), 1, FLAGS.repeats, 1)[0]
+                progress(f"forward {row[f'{impl}_forward_ms']:.2f} ms, forward+backward "
+                         f"{row[f'{impl}_forward_backward_ms']:.2f} ms")
+            except jax.errors.JaxRuntimeError as error:
+                if impl == "auto" or "RESOURCE_EXHAUSTED" not in str(error):
+                    raise
+                row[f"{impl}_forward_ms"] = row[f"{impl}_forward_backward_ms"] = None  # XLA's needs exceed the device
+                progress("out of memory")
         sliced = {name: x[:check] if name == "q" else x for name, x in differentiated.items()}
         gradients[impl] = jax.block_until_ready(forward_backward(sliced, rest, indices[:check])[1])
         progress(f"gradients of the first {check} tokens")
