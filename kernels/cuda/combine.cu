@@ -7,11 +7,16 @@
 namespace jsmla::cuda {
 namespace {
 
+// The most partial loads in flight of any instantiation below (a thread's batch of split weights).
+constexpr int kMaxSplitsInFlight = 16;
+
 // An instantiation: its shape, a thread's loads in flight and the threads per SM it is compiled for
 // (its register budget: 65536 / threads per SM).
 template <int kDv, int kLanes, int kGroups, int kSplitsInFlight, int kThreadsPerSm, bool kFewSplits = false>
 cudaError_t launch_instance(const CombineParams& p, cudaLaunchConfig_t config) {
   constexpr int kThreads = kLanes * kGroups;
+  static_assert(kSplitsInFlight <= kMaxSplitsInFlight && kMaxSplitsInFlight % kSplitsInFlight == 0,
+                "the padded weights cover every batch of split weights");
   static_assert(kThreadsPerSm % kThreads == 0 && kThreadsPerSm <= 2048, "whole blocks within an SM's threads");
   config.blockDim = dim3(kThreads);
   return cudaLaunchKernelEx(&config, combine_splits_kernel<kDv, kLanes, kGroups, kSplitsInFlight,
@@ -50,7 +55,12 @@ cudaError_t launch_combine(const CombineParams& p, int d_v, int sm_count, bool d
   if (p.num_tokens * p.num_heads == 0) return cudaSuccess;
   if (p.num_splits < 1 || p.num_splits > kCombineMaxSplits) return cudaErrorInvalidValue;
   cudaLaunchConfig_t config = {};
-  config.dynamicSmemBytes = static_cast<size_t>(p.num_splits) * sizeof(float);
+  // The split weights, padded to whole runs of kMaxSplitsInFlight: the merge loop reads a batch's
+  // weights after its `s < num_splits` test, and the compiler may load them as one vector (LDS.128)
+  // that runs past the last split (compute-sanitizer memcheck flagged it with three splits).
+  config.dynamicSmemBytes =
+      static_cast<size_t>((p.num_splits + kMaxSplitsInFlight - 1) / kMaxSplitsInFlight * kMaxSplitsInFlight) *
+      sizeof(float);
   config.stream = stream;
   cudaLaunchAttribute attribute = {};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlock
   constexpr int kColumns = 4 * kLanes;
   static_assert(kDv % kColumns == 0, "the row splits into whole column slices");
   static_assert(kThreads <= 1024 && kThreads % 32 == 0, "a block is whole warps");
-  extern __shared__ float split_weight[];  // [num_splits]
+  extern __shared__ float split_weight[];  // [num_splits], padded (combine.cu)
   __shared__ float scratch[kThreads / 32];
   __shared__ float4 group_sum[kGroups > 1 ? kGroups : 1][kGroups > 1 ? kLanes : 1];  // one group needs none
   const int64_t row = blockIdx.x;  // token * H + head

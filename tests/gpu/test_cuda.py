@@ -95,15 +95,16 @@ def test_topk_widths_dsv3_2(rng, topk, impl):
 
 @gpu
 @pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("num_heads", [16, 128])  # 128: two head tiles (the paired Hopper kernel on sm_90)
 @pytest.mark.parametrize("key,extra_key", [("dsv4", "dsv4"), ("dsv4_1", "dsv4_1"), ("dsv4_nvfp4", "dsv4_nvfp4"),
                                            ("dsv4_1_fp4", "dsv4_1_fp4"), ("dsv4", "dsv4_nvfp4"),
                                            ("dsv4_1", "dsv4_1_fp4")])
-def test_dual_cache_sanitize(rng, key, extra_key, impl):
+def test_dual_cache_sanitize(rng, key, extra_key, num_heads, impl):
     """Each dual-cache format with itself (one kernel call) and the two-format pairs (one call per cache,
     merged)."""
-    case = cases.make_case(rng, key, num_tokens=4, num_heads=16, topk=33, page_size=64,
+    case = cases.make_case(rng, key, num_tokens=4, num_heads=num_heads, topk=33, page_size=64,
                            extra={"page_size": 2, "topk": 45, "cache_tokens": 101, "kv_format": extra_key},
-                           attn_sink=rng.standard_normal(16).astype(np.float32))
+                           attn_sink=rng.standard_normal(num_heads).astype(np.float32))
     case.check(impl)
 
 

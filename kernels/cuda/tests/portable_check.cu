@@ -806,6 +806,15 @@ int main(int argc, char** argv) {
       run_case(d, on_hopper(decode_plan(64, 100, 4)), all_tokens(5), 0);
       release(d);
     }
+    {  // two head tiles, the second ragged (36 heads): the paired Hopper kernel, one and several tiles a split
+      Problem pr{"dsv3_2 T=6 H=100 k=300 sink+len", FormatId::kDsv32, 6, 100, 300, 0, 0.0417f, true, true, 5, 0.1};
+      DeviceProblem d = make_problem(pr, &cache, nullptr, 111);
+      run_case(d, on_hopper(decode_plan(64, 300, 10)), all_tokens(6), 0);
+      run_case(d, on_hopper(decode_plan(64, 300, 2)), all_tokens(6), 0);
+      run_case(d, on_hopper(Plan{2, 64}), all_tokens(6), 0);
+      run_case(d, Plan{2, 64}, all_tokens(6), 0);
+      release(d);
+    }
     {
       Problem pr{"dsv3_2 T=3 H=1 k=1", FormatId::kDsv32, 3, 1, 1, 0, 0.0417f, false, true, -1, 0.0};
       DeviceProblem d = make_problem(pr, &cache, nullptr, 13);
@@ -877,6 +886,13 @@ int main(int argc, char** argv) {
       run_case(d, on_hopper(decode_plan(64, 512, 2)), all_tokens(4), 0);
       run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
       release(d);
+      // 128 heads: the paired kernel, whose threads choose the conversion path for their own units.
+      Problem pr128{dsv4 ? "dsv4 T=4 H=128 k=512 wide scales" : "dsv3_2 T=4 H=128 k=512 wide scales", id, 4, 128,
+                    512, 0, 0.0417f, false, false};
+      DeviceProblem d128 = make_problem(pr128, &cache, nullptr, 92);
+      run_case(d128, on_hopper(decode_plan(64, 512, 2)), all_tokens(4), 0);
+      run_case(d128, on_hopper(Plan{2, 64}), all_tokens(4), 0);
+      release(d128);
       cudaFree(cache.device);
     }
   }
@@ -913,6 +929,12 @@ int main(int argc, char** argv) {
     run_on_both_families(d, decode_plan(64, 640, 3), all_tokens(5));
     run_case(d, Plan{2, 16}, all_tokens(5), 0);
     release(d);
+    // 128 heads: the paired Hopper kernel with the extra list (dsv4's rows do not divide evenly
+    // between the eight threads that convert each of them).
+    Problem pr128{"dsv4 T=5 H=128 k=512+128 len", FormatId::kDsv4, 5, 128, 512, 128, 0.0442f, true, true, 4};
+    DeviceProblem d128 = make_problem(pr128, &cache, &extra, 42);
+    run_on_both_families(d128, decode_plan(64, 640, 3), all_tokens(5));
+    release(d128);
     cudaFree(cache.device);
     cudaFree(extra.device);
   }
