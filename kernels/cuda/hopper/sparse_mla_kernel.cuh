@@ -9,9 +9,10 @@
 // BF16 rows (direct tiles, four buffers b = i % 4): wait for its own cp.async of tile i;
 //   fence.proxy.async; arrive full[b]; wait empty[(i - 1) % 4] (the consumers are done with tile i - 1)
 //   and gather tile i + 3 straight into that buffer; read the indices of tile i + 4.
-// Scorer, per tile: wait full[b]; S = Q·Kᵀ (kDqk/16 wgmmas); softmax; P and the rows' rescale
-// factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half] += P·V (2 wgmmas);
-// arrive empty[b].
+// Scorer, per tile: wait full[b]; issue S = Q·Kᵀ (kDqk/16 wgmmas) behind its P·V of the previous
+// tile, wait for that P·V and arrive empty for the previous buffer, then wait for S; softmax; P and the
+// rows' rescale factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half] += P·V
+// (2 wgmmas, left in flight into the next tile).
 // Warpgroup 2, per tile: wait p_ready[b]; rescale; O[:, second half] += P·V (2 wgmmas, P from shared
 // memory); arrive empty[b]. The conversion of tile i + 1 and the gathers of tiles i + 2 and i + 3
 // overlap the MMAs of tile i; warpgroup 2's P·V of tile i overlaps the scorer's S of tile i + 1.
@@ -239,110 +240,156 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       }
     };
 
-    for (int i = 0; i < tiles.count; ++i) {
-      const int b = i & (Cfg::kStages - 1);  // tile buffer, full/empty barriers, score bias
-      const int pb = i & 1;                  // P buffer, p_ready barrier, rescale factors
-      const uint8_t* const tile = tile_buffer(b);
-      const SmemDescriptor v_descriptor = smem_descriptor(
-          tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
-      if constexpr (group == 0) {
-        named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
-        // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile.
-        float score[kN / 8][4];  // the m64n32 accumulators: score[j][r] as in online_softmax.cuh
-        float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
-        const SmemDescriptor q_descriptor = smem_descriptor(q_smem, 16, 1024);
-        const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
-        // k-steps [first, last) accumulate into the scores; then they are waited for.
-        auto score_steps = [&](int first, int last) {  // called with constants: unrolled whole
-          wgmma_fence();
-#pragma unroll
-          for (int ks = first; ks < last; ++ks) {
-            const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
-            const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-            wgmma_m64n32k16_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
-                               ks > 0 ? 1 : 0);
-          }
-          wgmma_commit();
-          wgmma_wait_all();
-          fence_registers(score_registers);
-        };
-        if constexpr (Cfg::kExactScales) {
-          // Leaving group g the partial sum is multiplied by m_g / m_{g+1} (m_G = 1): after the last
-          // group it is Σ_g m_g·S_g, and the unscaled BF16 lanes after the groups add to it.
-#pragma unroll
-          for (int g = 0; g < Loader::kNumGroups; ++g) {
-            score_steps(g * Cfg::kGroupKSteps, (g + 1) * Cfg::kGroupKSteps);
-            scale_score_columns(score, factors(b) + (Loader::kNumGroups + g) * kN, lane);
-          }
-          if constexpr (Loader::kNumGroups * Cfg::kGroupKSteps < Cfg::kKSteps) {
-            score_steps(Loader::kNumGroups * Cfg::kGroupKSteps, Cfg::kKSteps);
-          }
-        } else {
-          score_steps(0, Cfg::kKSteps);
-        }
+    // Tile j's buffer goes back to the producer (when it will be refilled) once this consumer's wgmmas
+    // that read it are done.
+    auto release = [&](int j) {
+      if (j + Cfg::kStages < tiles.count) {
+        named_barrier_arrive(Cfg::kEmptyBarrier + (j & (Cfg::kStages - 1)), Cfg::kThreads);
+      }
+    };
+    // The scorer's A fragments of P: its P·V of tile i is left in flight into tile i + 1 (see below),
+    // so they live across iterations.
+    uint32_t p_fragment[kV][kN / 16][4];
+    uint32_t (&p_registers)[kV * kN / 16 * 4] = reinterpret_cast<uint32_t (&)[kV * kN / 16 * 4]>(p_fragment);
 
-        // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
-        float rescale[2];
-        softmax.update(score, score_bias + b * kN, a.sm_scale * kLog2e, lane, rescale);
-        if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
-        if (lane % 4 == 0) {
-          row_rescale[pb * Cfg::kHeadTile + rows[0]] = rescale[0];
-          row_rescale[pb * Cfg::kHeadTile + rows[1]] = rescale[1];
-        }
-        // P (BF16): this consumer's variants as A fragments, warpgroup 2's into P buffer b — 64-byte
-        // swizzled rows, the 8-column chunk j of row r at chunk j ^ ((r / 2) % 4). Exact scales: variant
-        // v of consumer c is P times the candidates' mantissas of scale group c·kPVariants + v, in FP32
-        // before the one rounding to BF16; otherwise there is one P.
-        uint32_t p_fragment[kV][kN / 16][4];
+    // The tiles (none for an empty split). The scorer's last P·V is waited for after the loop but
+    // inside this branch: were the zero-tile path to join before that wait, ptxas would count its
+    // zeroed accumulators as defined inside the P·V's pipeline stage and serialise every wgmma of the
+    // kernel (C7515).
+    if (tiles.count > 0) {
+      for (int i = 0; i < tiles.count; ++i) {
+        const int b = i & (Cfg::kStages - 1);  // tile buffer, full/empty barriers, score bias
+        const int pb = i & 1;                  // P buffer, p_ready barrier, rescale factors
+        const uint8_t* const tile = tile_buffer(b);
+        const SmemDescriptor v_descriptor = smem_descriptor(
+            tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
+        if constexpr (group == 0) {
+          named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
+          // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile.
+          float score[kN / 8][4];  // the m64n32 accumulators: score[j][r] as in online_softmax.cuh
+          float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
+          const SmemDescriptor q_descriptor = smem_descriptor(q_smem, 16, 1024);
+          const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
+          // k-steps [first, last) accumulate into the scores, one wgmma group.
+          auto issue_score_steps = [&](int first, int last) {  // called with constants: unrolled whole
+            wgmma_fence();
 #pragma unroll
-        for (int v = 0; v < kV; ++v) {
+            for (int ks = first; ks < last; ++ks) {
+              const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
+              const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
+              wgmma_m64n32k16_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
+                                 ks > 0 ? 1 : 0);
+            }
+            wgmma_commit();
+          };
+          // Once the previous tile's P·V (left in flight) is done and no other wgmma is: its accumulators
+          // and A fragments are free again.
+          auto previous_pv_registers = [&] {
+            fence_registers(out_acc);
+            fence_registers(p_registers);
+          };
+          auto score_steps = [&](int first, int last) {
+            issue_score_steps(first, last);
+            wgmma_wait_all();
+            fence_registers(score_registers);
+          };
+          if constexpr (Cfg::kExactScales) {
+            if (i > 0) {
+              wgmma_wait_all();
+              previous_pv_registers();
+              release(i - 1);
+            }
+            // Leaving group g the partial sum is multiplied by m_g / m_{g+1} (m_G = 1): after the last
+            // group it is Σ_g m_g·S_g, and the unscaled BF16 lanes after the groups add to it.
 #pragma unroll
-          for (int kk = 0; kk < kN / 16; ++kk) {
-            pack_p(p_fragment[v][kk], score, kk, v, b);
-            uint32_t theirs[4];
-            pack_p(theirs, score, kk, kV + v, b);
-            uint8_t* const p_rows = p_buffer(pb, v);
+            for (int g = 0; g < Loader::kNumGroups; ++g) {
+              score_steps(g * Cfg::kGroupKSteps, (g + 1) * Cfg::kGroupKSteps);
+              scale_score_columns(score, factors(b) + (Loader::kNumGroups + g) * kN, lane);
+            }
+            if constexpr (Loader::kNumGroups * Cfg::kGroupKSteps < Cfg::kKSteps) {
+              score_steps(Loader::kNumGroups * Cfg::kGroupKSteps, Cfg::kKSteps);
+            }
+          } else {
+            // S of this tile queues behind the previous tile's P·V on the tensor cores: its issue does
+            // not wait for that P·V, and the previous buffer goes back as soon as the P·V is done.
+            issue_score_steps(0, Cfg::kKSteps);
+            if (i > 0) {
+              wgmma_wait<1>();
+              release(i - 1);
+            }
+            wgmma_wait_all();
+            fence_registers(score_registers);
+            previous_pv_registers();
+          }
+
+          // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
+          float rescale[2];
+          softmax.update(score, score_bias + b * kN, a.sm_scale * kLog2e, lane, rescale);
+          if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
+          if (lane % 4 == 0) {
+            row_rescale[pb * Cfg::kHeadTile + rows[0]] = rescale[0];
+            row_rescale[pb * Cfg::kHeadTile + rows[1]] = rescale[1];
+          }
+          // P (BF16): this consumer's variants as A fragments, warpgroup 2's into P buffer b — 64-byte
+          // swizzled rows, the 8-column chunk j of row r at chunk j ^ ((r / 2) % 4). Exact scales: variant
+          // v of consumer c is P times the candidates' mantissas of scale group c·kPVariants + v, in FP32
+          // before the one rounding to BF16; otherwise there is one P.
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int chunk = 2 * kk + half;
+          for (int v = 0; v < kV; ++v) {
 #pragma unroll
-              for (int r = 0; r < 2; ++r) {
-                const int row = rows[r];
-                *reinterpret_cast<uint32_t*>(p_rows + row * Cfg::kPRowBytes + ((chunk ^ ((row / 2) % 4)) * 16) +
-                                             (lane % 4) * 4) = theirs[2 * half + r];
+            for (int kk = 0; kk < kN / 16; ++kk) {
+              pack_p(p_fragment[v][kk], score, kk, v, b);
+              uint32_t theirs[4];
+              pack_p(theirs, score, kk, kV + v, b);
+              uint8_t* const p_rows = p_buffer(pb, v);
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int chunk = 2 * kk + half;
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                  const int row = rows[r];
+                  *reinterpret_cast<uint32_t*>(p_rows + row * Cfg::kPRowBytes + ((chunk ^ ((row / 2) % 4)) * 16) +
+                                               (lane % 4) * 4) = theirs[2 * half + r];
+                }
               }
             }
           }
-        }
-        fence_proxy_async_shared();
-        // A sync, not an arrive: warpgroup 2 is already waiting (its P·V of the previous tile is short
-        // beside this S), and the handoff of row_rescale is then a plain two-sided barrier.
-        named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
-        wgmma_fence();
+          fence_proxy_async_shared();
+          // A sync, not an arrive: warpgroup 2 is already waiting (its P·V of the previous tile is short
+          // beside this S), and the handoff of row_rescale is then a plain two-sided barrier.
+          named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
+          wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kN / 16; ++kk) {
+          for (int kk = 0; kk < kN / 16; ++kk) {
 #pragma unroll
-          for (int v = 0; v < kV; ++v) pv_rs(v, p_fragment[v][kk], v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
-        }
-      } else {
-        named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
-        float rescale[2] = {row_rescale[pb * Cfg::kHeadTile + rows[0]], row_rescale[pb * Cfg::kHeadTile + rows[1]]};
-        if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kN / 16; ++kk) {
-#pragma unroll
-          for (int v = 0; v < kV; ++v) {
-            const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(pb, v), 16, 8 * Cfg::kPRowBytes, Swizzle::k64B);
-            pv_ss(v, p_descriptor.offset(kk * 32),
-                  v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
+            for (int v = 0; v < kV; ++v) pv_rs(v, p_fragment[v][kk], v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
           }
+          wgmma_commit();  // left in flight: waited for in the next tile, after its S is issued
+        } else {
+          named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
+          float rescale[2] = {row_rescale[pb * Cfg::kHeadTile + rows[0]], row_rescale[pb * Cfg::kHeadTile + rows[1]]};
+          if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kN / 16; ++kk) {
+#pragma unroll
+            for (int v = 0; v < kV; ++v) {
+              const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(pb, v), 16, 8 * Cfg::kPRowBytes, Swizzle::k64B);
+              pv_ss(v, p_descriptor.offset(kk * 32),
+                    v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
+            }
+          }
+          wgmma_commit();
+          wgmma_wait_all();
+          fence_registers(out_acc);
+          release(i);
         }
       }
-      wgmma_commit();
-      wgmma_wait_all();
-      fence_registers(out_acc);
-      if (i + Cfg::kStages < tiles.count) named_barrier_arrive(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+      if constexpr (group == 0) {
+        wgmma_wait_all();
+        fence_registers(out_acc);
+        fence_registers(p_registers);
+      }
     }
 
     // ---- epilogue: rows of this thread, columns of this consumer's half ----

@@ -44,12 +44,24 @@ JSMLA_DEVICE SmemDescriptor smem_descriptor(const void* start, uint32_t leading,
 JSMLA_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 JSMLA_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 JSMLA_DEVICE void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most kPending of this warp's most recent wgmma groups are still in flight.
+template <int kPending>
+JSMLA_DEVICE void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
 
 // Keeps the compiler from moving accesses of accumulator registers across wgmma fences and waits.
 template <int kCount>
 JSMLA_DEVICE void fence_registers(float (&r)[kCount]) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// The same for A fragments in registers: an in-flight wgmma reads them, so they stay live (and
+// unchanged) until a wait that covers it, where this fence is placed.
+template <int kCount>
+JSMLA_DEVICE void fence_registers(uint32_t (&r)[kCount]) {
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 // Makes this thread's generic-proxy shared-memory writes visible to wgmma (the async proxy).
