@@ -95,7 +95,7 @@ def test_topk_widths_dsv3_2(rng, topk, impl):
 
 @gpu
 @pytest.mark.parametrize("impl", VARIANTS)
-@pytest.mark.parametrize("num_heads", [16, 128])  # 128: two head tiles (the paired Hopper kernel on sm_90)
+@pytest.mark.parametrize("num_heads", [16, 128])  # 128: two 64-head tiles (the Hopper kernels on sm_90)
 @pytest.mark.parametrize("key,extra_key", [("dsv4", "dsv4"), ("dsv4_1", "dsv4_1"), ("dsv4_nvfp4", "dsv4_nvfp4"),
                                            ("dsv4_1_fp4", "dsv4_1_fp4"), ("dsv4", "dsv4_nvfp4"),
                                            ("dsv4_1", "dsv4_1_fp4")])

@@ -9,15 +9,20 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --profile | --profile-small]   (exit code 0 only when every
-// check passes)
+// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --profile | --profile-small]   (exit code 0
+// only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
-//   --headline: the headline shapes on the Hopper family, checked and timed; --profile: see below.
+//   --headline: the headline shapes on the Hopper family, checked and timed; --ablate: only the
+//   dsv3_2 H=128 rows of --headline (decode and prefill variant at T=128, prefill T=4096), for builds
+//   that leave a stage of the kernel out to see what it costs; --profile: see below.
+// JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
+// dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -687,7 +692,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   g_hopper_device = prop.major * 10 + prop.minor == cuda::kHopperComputeCapability && cuda::hopper_compiled();
-  g_dependent_combine = prop.major >= 9;
+  g_dependent_combine = prop.major >= 9 && std::getenv("JSMLA_CHECK_SERIAL_COMBINE") == nullptr;
   g_sm_count = prop.multiProcessorCount;
   // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
   // the Hopper family when available, else the portable one). --headline: the headline shapes on the
@@ -700,6 +705,23 @@ int main(int argc, char** argv) {
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     run_case(d1, g_hopper_device ? on_hopper(decode_plan(64, 2048, 32)) : decode_plan(64, 2048, 32), {0}, 0);
     release(d1);
+    return g_failed ? 1 : 0;
+  }
+  if (mode == "--ablate") {
+    const Fp8Table fp8;
+    HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
+    Problem pr{"dsv3_2 T=128 H=128 k=2048", FormatId::kDsv32, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+    DeviceProblem d = make_problem(pr, &cache, nullptr, 14);
+    for (const Plan& plan : {decode_plan(64, 2048, 1), Plan{2, 64}}) run_case(d, on_hopper(plan), {0, 37, 127}, 15);
+    release(d);
+    Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
+    DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
+    run_case(dp, on_hopper(Plan{2, 64}), {0, 4095}, 5);
+    release(dp);
+    for (const Row& r : g_rows) {
+      std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
+                  r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
+    }
     return g_failed ? 1 : 0;
   }
   if (mode == "--profile" || mode == "--headline") {
@@ -806,7 +828,7 @@ int main(int argc, char** argv) {
       run_case(d, on_hopper(decode_plan(64, 100, 4)), all_tokens(5), 0);
       release(d);
     }
-    {  // two head tiles, the second ragged (36 heads): the paired Hopper kernel, one and several tiles a split
+    {  // two head tiles, the second ragged (36 heads); one and several tiles a split
       Problem pr{"dsv3_2 T=6 H=100 k=300 sink+len", FormatId::kDsv32, 6, 100, 300, 0, 0.0417f, true, true, 5, 0.1};
       DeviceProblem d = make_problem(pr, &cache, nullptr, 111);
       run_case(d, on_hopper(decode_plan(64, 300, 10)), all_tokens(6), 0);
@@ -886,7 +908,7 @@ int main(int argc, char** argv) {
       run_case(d, on_hopper(decode_plan(64, 512, 2)), all_tokens(4), 0);
       run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
       release(d);
-      // 128 heads: the paired kernel, whose threads choose the conversion path for their own units.
+      // 128 heads: two head tiles.
       Problem pr128{dsv4 ? "dsv4 T=4 H=128 k=512 wide scales" : "dsv3_2 T=4 H=128 k=512 wide scales", id, 4, 128,
                     512, 0, 0.0417f, false, false};
       DeviceProblem d128 = make_problem(pr128, &cache, nullptr, 92);
@@ -929,8 +951,7 @@ int main(int argc, char** argv) {
     run_on_both_families(d, decode_plan(64, 640, 3), all_tokens(5));
     run_case(d, Plan{2, 16}, all_tokens(5), 0);
     release(d);
-    // 128 heads: the paired Hopper kernel with the extra list (dsv4's rows do not divide evenly
-    // between the eight threads that convert each of them).
+    // 128 heads: two head tiles with the extra list.
     Problem pr128{"dsv4 T=5 H=128 k=512+128 len", FormatId::kDsv4, 5, 128, 512, 128, 0.0442f, true, true, 4};
     DeviceProblem d128 = make_problem(pr128, &cache, &extra, 42);
     run_on_both_families(d128, decode_plan(64, 640, 3), all_tokens(5));
