@@ -26,7 +26,9 @@ def test_backward_benchmark_runs_and_gradients_agree(tmp_path):
             # TFLOP/s from the products' FLOPs: forward (d_qk + d_v), backward (2 d_qk + d_v), cache (d_qk + d_v)
             flops = 2 * 4 * 3 * 16 * (576 + 512 + 2 * 576 + 512 + (576 + 512 if "kv_cache" in r["gradients"] else 0))
             assert abs(r[f"{impl}_forward_backward_tflops"] - flops / r[f"{impl}_forward_backward_ms"] * 1e-9) < 1e-9
-        assert all(0 < d <= 2e-2 for d in r["max_gradient_difference"].values()), r["max_gradient_difference"]
+        # Zero is a legitimate difference here: on a shape this small the two implementations' rounded
+        # gradients can agree bit for bit (they did for q on one CI machine).
+        assert all(0 <= d <= 2e-2 for d in r["max_gradient_difference"].values()), r["max_gradient_difference"]
         assert r["check_tokens"] == 3 and r["speedup"] > 0
     assert "| bf16_576 | 4 | 3 | 16 |" in (tmp_path / "bench_backward.md").read_text()
 
