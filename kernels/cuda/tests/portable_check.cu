@@ -707,25 +707,9 @@ int main(int argc, char** argv) {
     release(d1);
     return g_failed ? 1 : 0;
   }
-  if (mode == "--ablate") {
-    const Fp8Table fp8;
-    HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
-    Problem pr{"dsv3_2 T=128 H=128 k=2048", FormatId::kDsv32, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
-    DeviceProblem d = make_problem(pr, &cache, nullptr, 14);
-    for (const Plan& plan : {decode_plan(64, 2048, 1), Plan{2, 64}}) run_case(d, on_hopper(plan), {0, 37, 127}, 15);
-    release(d);
-    Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
-    DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
-    run_case(dp, on_hopper(Plan{2, 64}), {0, 4095}, 5);
-    release(dp);
-    for (const Row& r : g_rows) {
-      std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
-                  r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
-    }
-    return g_failed ? 1 : 0;
-  }
-  if (mode == "--profile" || mode == "--headline") {
+  if (mode == "--profile" || mode == "--headline" || mode == "--ablate") {
     const bool profile = mode == "--profile";
+    const bool ablate = mode == "--ablate";  // only the dsv3_2 H=128 rows
     const Fp8Table fp8;
     HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
     Problem pr{"dsv3_2 T=128 H=128 k=2048", FormatId::kDsv32, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
@@ -739,7 +723,7 @@ int main(int argc, char** argv) {
     }
     release(d);
     if (profile) return g_failed ? 1 : 0;
-    {  // glm_nsa (FP32 scales per group) on the same shape: its time per FLOP beside dsv3_2's
+    if (!ablate) {  // glm_nsa (FP32 scales per group) on the same shape: its time per FLOP beside dsv3_2's
       const FormatTraits& f = format_traits(FormatId::kGlmNsa);
       HostCache glm = build_cache(f, 4096, 64, 656, 64 * 656, 1, fp8);
       Problem prg{"glm_nsa T=128 H=128 k=2048", FormatId::kGlmNsa, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
@@ -749,7 +733,7 @@ int main(int argc, char** argv) {
       release(dg);
       cudaFree(glm.device);
     }
-    {  // bf16_576 (no conversion: the producer only copies) on the same shape and in prefill
+    if (!ablate) {  // bf16_576 (no conversion: the producer only copies) on the same shape and in prefill
       const FormatTraits& f = format_traits(FormatId::kBf16_576);
       HostCache bf16 = build_cache(f, 4096, 64, 1152, 64 * 1152, 9, fp8);
       Problem prb{"bf16_576 T=128 H=128 k=2048", FormatId::kBf16_576, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
@@ -762,20 +746,22 @@ int main(int argc, char** argv) {
       release(dbp);
       cudaFree(bf16.device);
     }
-    Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
-    DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
-    for (int splits : {16, 32, 64}) {
-      run_case(d1, on_hopper(decode_plan(64, 2048, splits)), {0}, 15);
-      run_case(d1, serial_combine(on_hopper(decode_plan(64, 2048, splits))), {0}, 15);
+    if (!ablate) {  // small batches
+      Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+      DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
+      for (int splits : {16, 32, 64}) {
+        run_case(d1, on_hopper(decode_plan(64, 2048, splits)), {0}, 15);
+        run_case(d1, serial_combine(on_hopper(decode_plan(64, 2048, splits))), {0}, 15);
+      }
+      release(d1);
+      Problem pr1h16{"dsv3_2 T=1 H=16 k=2048", FormatId::kDsv32, 1, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
+      DeviceProblem d1h16 = make_problem(pr1h16, &cache, nullptr, 19);
+      for (int splits : {32, 64}) {
+        run_case(d1h16, decode_plan(16, 2048, splits), {0}, 15);
+        run_case(d1h16, serial_combine(decode_plan(16, 2048, splits)), {0}, 15);
+      }
+      release(d1h16);
     }
-    release(d1);
-    Problem pr1h16{"dsv3_2 T=1 H=16 k=2048", FormatId::kDsv32, 1, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
-    DeviceProblem d1h16 = make_problem(pr1h16, &cache, nullptr, 19);
-    for (int splits : {32, 64}) {
-      run_case(d1h16, decode_plan(16, 2048, splits), {0}, 15);
-      run_case(d1h16, serial_combine(decode_plan(16, 2048, splits)), {0}, 15);
-    }
-    release(d1h16);
     Problem prp{"dsv3_2 prefill T=4096 H=128", FormatId::kDsv32, 4096, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 2};
     DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
     run_case(dp, on_hopper(Plan{2, 64}), {0, 4095}, 5);
