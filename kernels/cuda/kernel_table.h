@@ -60,18 +60,20 @@ constexpr int find_shape(Family family, FormatId format, int heads_per_block) {
 
 constexpr bool tables_consistent() {
   for (const KernelShape& k : kKernelShapes) {
-    // The handler swaps a Hopper kernel in for the portable one of a plan: same tile, same splits.
+    // The handler swaps a Hopper kernel in for the portable one of a plan (same splits): its tile is
+    // the twin's or a multiple of it (a split that is not whole tiles ends on a short one).
     if (k.family == Family::kHopper) {
       const int twin = find_shape(Family::kPortable, k.format, k.heads_per_block);
-      if (twin < 0 || kKernelShapes[twin].candidate_tile != k.candidate_tile) return false;
+      if (twin < 0 || k.candidate_tile % kKernelShapes[twin].candidate_tile != 0) return false;
+    } else if (kSplitGranule % k.candidate_tile != 0) {
+      return false;
     }
-    if (kSplitGranule % k.candidate_tile != 0) return false;
   }
   return true;
 }
 static_assert(tables_consistent(),
-              "every Hopper instance needs a portable twin with its candidate tile, and every candidate tile "
-              "must divide the split granule");
+              "every Hopper instance needs a portable twin whose candidate tile divides its own, and every "
+              "portable candidate tile must divide the split granule");
 
 // The family that runs a plan's (format, head tile) on a device: the Hopper kernel when it exists, the
 // device is sm_90 with enough shared memory, the build carries sm_90a code and JSMLA_CUDA_FAMILY does

@@ -4,16 +4,17 @@
 //
 // Block = (token, 64-head tile, split), 3 warpgroups:
 //   warpgroup 0, the producer: gathers candidate rows with cp.async into a two-stage staging area and
-//     converts them (FP8 or FP4 × scale → BF16, or BF16 copies) into a two-buffer BF16 KV tile in the
-//     128-byte swizzled layout wgmma reads;
-//   warpgroup 1, the scorer: S = Q·Kᵀ for all 64 heads and the tile's 32 candidates (wgmma m64n32k16,
-//     Q and K from shared memory), the online softmax in registers, P (BF16) into shared memory with
-//     the rows' rescale factors, and O[:, first half of d_v] += P·V (wgmma m64n256k16, P from
-//     registers, V = the same tile read N-major);
+//     converts them (FP8 or FP4 × scale → BF16) into a two-buffer BF16 KV tile of 32 candidates in the
+//     128-byte swizzled layout wgmma reads; BF16 rows are copied straight into two 64-candidate tile
+//     buffers (no staging area, so the wider tiles fit);
+//   warpgroup 1, the scorer: S = Q·Kᵀ for all 64 heads and the tile's candidates (wgmma m64n32k16 or
+//     m64n64k16, Q and K from shared memory), the online softmax in registers, P (BF16) into shared
+//     memory with the rows' rescale factors, and O[:, first half of d_v] += P·V (wgmma m64n256k16, P
+//     from registers, V = the same tile read N-major);
 //   warpgroup 2: O[:, second half of d_v] += P·V with P from shared memory, its accumulators rescaled
 //     by the scorer's factors. Its P·V of tile i overlaps the scorer's S of tile i + 1.
-// Named barriers hand tiles over: full[b] (producer → scorer), p_ready[b] (scorer → warpgroup 2) and
-// empty[b] (both → producer).
+// Named barriers hand tiles over: full[b] (producer → scorer), p_ready (scorer → warpgroup 2), p_free
+// (warpgroup 2 → scorer, with one P buffer) and empty[b] (both → producer).
 #pragma once
 
 #include "kernels/common/formats.h"
@@ -38,12 +39,22 @@ template <FormatId kFormat, int kHeadTileValue>
 struct HopperConfig {
   static constexpr FormatTraits kF = format_traits(kFormat);
   static constexpr int kHeadTile = kHeadTileValue;  // wgmma M
-  static constexpr int kCandidateTile = 32;   // wgmma N of S, 2 k16 steps of P·V
+  // BF16 rows need no conversion: the producer copies them straight into the swizzled tile buffers,
+  // and without a staging area two 64-candidate tiles fit (wide tiles: half the hand-overs per
+  // candidate, S as m64n64). Every other format is staged raw and converted into two 32-candidate tiles.
+  static constexpr bool kDirectTiles = kF.layout == Layout::kBf16;
+  static constexpr bool kWideTiles = kDirectTiles;
+  static constexpr int kCandidateTile = kWideTiles ? 64 : 32;  // wgmma N of S, k16 steps of P·V
+  static constexpr int kRoundRows = 32;  // rows a producer pass covers (4 threads a row)
+  static constexpr int kRounds = kCandidateTile / kRoundRows;
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerGroups = 2;
   static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
   static constexpr int kProducerRegisters = 104;
   static constexpr int kConsumerRegisters = 200;
+  // The scorer leaves its P·V of tile i in flight behind S of tile i + 1 (its A fragments then live
+  // across the tile) where the registers allow: not beside a 64-candidate tile's scores.
+  static constexpr bool kScorerPVInFlight = !kWideTiles;
   static constexpr int kDqk = kF.d_qk;
   static constexpr int kDv = kF.d_v;
   static constexpr int kDvPerGroup = kDv / kConsumerGroups;  // wgmma N of P·V
@@ -51,12 +62,13 @@ struct HopperConfig {
   static constexpr int kOutRegisters = kDvPerGroup / 2;      // FP32 accumulators of O per thread
   static constexpr int kAtomBytes = 128;                     // one swizzle row: 64 BF16 values
 
-  using Geometry = LoaderGeometry<kFormat, kCandidateTile, kProducerThreads>;
-  // BF16 rows need no conversion: the producer copies them straight into the swizzled tile buffers
-  // (no staging area), and the bytes a staging area would take hold two more tile buffers, a four-stage
-  // pipeline. Every other format is staged raw and converted into two tile buffers.
-  static constexpr bool kDirectTiles = kF.layout == Layout::kBf16;
-  static constexpr int kStages = kDirectTiles ? 4 : 2;  // tile buffers (and score-bias rows)
+  // The producer's geometry: a round of rows (a tile is kRounds rounds).
+  using Geometry = LoaderGeometry<kFormat, kRoundRows, kProducerThreads>;
+  static constexpr int kStages = 2;  // tile buffers (and score-bias rows)
+  // P buffers (with their rows of rescale factors): two let the scorer write tile i + 1's P while the
+  // second consumer reads tile i's; a 64-candidate tile leaves room for one, which the second consumer
+  // hands back (p_free) once its P·V has read it.
+  static constexpr int kPBuffers = kWideTiles ? 1 : 2;
   // Staged units a producer thread loads before converting them (bounded by its registers).
   static constexpr int kConvertBatch = 10;
   // Arbitrary FP32 scales (glm_*): the tile holds FP8 × 2^e, and the consumers apply each candidate's
@@ -68,17 +80,18 @@ struct HopperConfig {
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;
-  //   kStages BF16 KV tiles [kDqk/64][32 candidates][128 B], swizzled;
-  //   two P buffers [kPVariants][64 heads][32 candidates] BF16 in the 64-byte swizzled layout (K-major A
-  //   of wgmma): the second consumer's P, one variant per scale group of its columns;
-  //   two staging areas of raw rows (none for direct tiles), two sets of per-thread scale slots, kStages
-  //   score-bias rows, two rows of rescale factors (one per P buffer), the final row maxima and sums, two stages of per-candidate mantissas and
-  //   ratios (exact scales only).
+  //   kStages BF16 KV tiles [kDqk/64][kCandidateTile candidates][128 B], swizzled;
+  //   kPBuffers P buffers [kPVariants][64 heads][kCandidateTile] BF16 in the 64- or 128-byte swizzled
+  //   layout (K-major A of wgmma; one swizzle row per head): the second consumer's P, one variant per
+  //   scale group of its columns;
+  //   two staging areas of raw rows and two sets of per-thread scale slots (none for direct tiles), kStages
+  //   score-bias rows, kPBuffers rows of rescale factors, the final row maxima and sums, two stages of
+  //   per-candidate mantissas and ratios (exact scales only).
   static constexpr int kQBytes = kHeadTile * kDqk * 2;
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
   static constexpr int kTileBytes = kCandidateTile * kDqk * 2;
   static constexpr int kTileBlockBytes = kCandidateTile * kAtomBytes;  // one 64-column block of a tile
-  static constexpr int kPRowBytes = kCandidateTile * 2;                // one 64-byte swizzle row
+  static constexpr int kPRowBytes = kCandidateTile * 2;                // one 64- or 128-byte swizzle row
   static constexpr int kPBytes = kHeadTile * kPRowBytes;  // one P variant of one buffer
   static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kProducerThreads * Geometry::kScaleSlotBytes : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
@@ -91,9 +104,9 @@ struct HopperConfig {
   // rows on the same 16 banks, 4 times the wavefronts).
   static constexpr int kPaddedPitch = (Geometry::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
   static constexpr bool fits(int pitch) {
-    return kQBytes + kStages * kTileBytes + 2 * kPVariants * kPBytes + 2 * kCandidateTile * pitch +
-               2 * kScaleSlotsBytes + kStages * kBiasBytes + 2 * kRescaleBytes + kFinalBytes + 2 * kFactorBytes +
-               1024 <=
+    return kQBytes + kStages * kTileBytes + kPBuffers * kPVariants * kPBytes + 2 * kCandidateTile * pitch +
+               2 * kScaleSlotsBytes + kStages * kBiasBytes + kPBuffers * kRescaleBytes + kFinalBytes +
+               2 * kFactorBytes + 1024 <=
            kMaxSharedBytes;
   }
   static constexpr int kStagePitch = kDirectTiles ? 0 : fits(kPaddedPitch) ? kPaddedPitch : Geometry::kStagedRowBytes;
@@ -102,11 +115,11 @@ struct HopperConfig {
   static constexpr int kQOffset = 0;
   static constexpr int kTileOffset = kQOffset + kQBytes;
   static constexpr int kPOffset = kTileOffset + kStages * kTileBytes;
-  static constexpr int kStageOffset = kPOffset + 2 * kPVariants * kPBytes;
+  static constexpr int kStageOffset = kPOffset + kPBuffers * kPVariants * kPBytes;
   static constexpr int kScaleSlotsOffset = kStageOffset + 2 * kStageBytes;
   static constexpr int kBiasOffset = kScaleSlotsOffset + 2 * kScaleSlotsBytes;
   static constexpr int kRescaleOffset = kBiasOffset + kStages * kBiasBytes;
-  static constexpr int kFinalOffset = kRescaleOffset + 2 * kRescaleBytes;
+  static constexpr int kFinalOffset = kRescaleOffset + kPBuffers * kRescaleBytes;
   static constexpr int kFactorOffset = kFinalOffset + kFinalBytes;
   static constexpr int kUsedBytes = kFactorOffset + 2 * kFactorBytes;
   static constexpr int kSharedBytes = kUsedBytes + 1024;  // slack to align the base to 1024 bytes
@@ -118,7 +131,9 @@ struct HopperConfig {
   static constexpr int kQBarrier = 1 + 2 * kStages;        // consumers only: Q is in shared memory
   static constexpr int kFinalBarrier = kQBarrier;          // consumers only, after the last tile: the final row
                                                            // maxima and sums are written (the Q barrier's id, long done)
-  static constexpr int kPReadyBarrier = kQBarrier + 1;     // + P buffer: scorer and warpgroup 2 both wait (two-sided)
+  static constexpr int kPReadyBarrier = kQBarrier + 1;     // + P buffer: scorer and warpgroup 2 both wait (two-sided);
+                                                           // with one P buffer the scorer only arrives
+  static constexpr int kPFreeBarrier = kPReadyBarrier + kPBuffers;  // one P buffer: warpgroup 2 arrives, scorer waits
 
   static_assert(hopper_format(kFormat), "format not served by the Hopper family");
   static_assert(kHeadTile == 64, "a head tile is one wgmma M of 64 rows");
@@ -127,6 +142,8 @@ struct HopperConfig {
   static_assert(kCandidateTile % 16 == 0 && kCandidateTile % 8 == 0, "P·V consumes candidates in k16 steps");
   static_assert(kProducerThreads % kCandidateTile == 0, "every tile row gets the same number of producer threads");
   static_assert(Geometry::kThreadsPerRow * 16 == 64, "a warp stages 8 rows × 64 bytes per cp.async (kPaddedPitch)");
+  static_assert(kCandidateTile % kRoundRows == 0 && kRoundRows * 4 == kProducerThreads,
+                "a tile is whole producer rounds of 4 threads a row");
   static_assert(kDirectTiles || (kStagePitch >= Geometry::kStagedRowBytes && kStagePitch % 16 == 0),
                 "staged rows must not overlap");
   static_assert(!kDirectTiles || (Geometry::kQuantUnits == 0 && Geometry::kScaleRecordBytes == 0 && !kExactScales &&
@@ -140,8 +157,8 @@ struct HopperConfig {
   static_assert(kQOffset % 1024 == 0 && kTileOffset % 1024 == 0 && kTileBytes % 1024 == 0 &&
                     kQBlockBytes % 1024 == 0 && kTileBlockBytes % 1024 == 0,
                 "128-byte swizzled operands must start on 1024-byte boundaries");
-  static_assert(kPOffset % 512 == 0 && kPBytes % 512 == 0 && kPRowBytes == 64,
-                "P buffers are whole 64-byte swizzle atoms (8 rows × 64 B) on 512-byte boundaries");
+  static_assert(kPOffset % 1024 == 0 && kPBytes % (8 * kPRowBytes) == 0 && (kPRowBytes == 64 || kPRowBytes == 128),
+                "P buffers are whole 64- or 128-byte swizzle atoms (8 rows) on aligned boundaries");
   static_assert(kStageOffset % 16 == 0 && kStageBytes % 16 == 0 && kScaleSlotsOffset % 16 == 0 &&
                     kBiasOffset % 16 == 0 && kRescaleOffset % 16 == 0 && kFinalOffset % 16 == 0 &&
                     kFactorOffset % 16 == 0,
@@ -155,9 +172,10 @@ struct HopperConfig {
                 "register reallocation must fit the registers the block is launched with");
   static_assert(kProducerRegisters % 8 == 0 && kConsumerRegisters % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSharedBytes <= kMaxSharedBytes, "shared memory exceeds the sm_90 per-block limit");
-  static_assert(kCandidateTile == 32, "the score accumulators below are one m64n32 tile");
+  static_assert(kCandidateTile == 32 || kCandidateTile == 64, "the score accumulators are one m64n32 or m64n64 tile");
+  static_assert(!kWideTiles || kDirectTiles, "64-candidate tiles need the shared memory a staging area would take");
   static_assert(kConsumerGroups == 2, "a scorer and a second P·V warpgroup, one half of d_v each");
-  static_assert(kPReadyBarrier + 1 < 16, "sm_90 has 16 named barriers");
+  static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
 };
 
 }  // namespace jsmla::cuda::hopper

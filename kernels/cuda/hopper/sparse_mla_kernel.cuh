@@ -6,16 +6,20 @@
 //   wait for its own cp.async of tile i; wait empty[b] (the consumers are done with tile i - 2);
 //   convert staging b into tile buffer b; fence.proxy.async; arrive full[b];
 //   issue the gather of tile i + 2 into staging b; read the indices of tile i + 3.
-// BF16 rows (direct tiles, four buffers b = i % 4): wait for its own cp.async of tile i;
-//   fence.proxy.async; arrive full[b]; wait empty[(i - 1) % 4] (the consumers are done with tile i - 1)
-//   and gather tile i + 3 straight into that buffer; read the indices of tile i + 4.
-// Scorer, per tile: wait full[b]; issue S = Q·Kᵀ (kDqk/16 wgmmas) behind its P·V of the previous
-// tile, wait for that P·V and arrive empty for the previous buffer, then wait for S; softmax; P and the
-// rows' rescale factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half] += P·V
-// (2 wgmmas, left in flight into the next tile).
-// Warpgroup 2, per tile: wait p_ready[b]; rescale; O[:, second half] += P·V (2 wgmmas, P from shared
-// memory); arrive empty[b]. The conversion of tile i + 1 and the gathers of tiles i + 2 and i + 3
-// overlap the MMAs of tile i; warpgroup 2's P·V of tile i overlaps the scorer's S of tile i + 1.
+// BF16 rows (direct tiles, 64 candidates, two buffers): wait for its own cp.async of tile i;
+//   fence.proxy.async; arrive full[b]; wait empty[b ^ 1] (the consumers are done with tile i - 1) and
+//   gather tile i + 1 straight into that buffer; read the indices of tile i + 2.
+// Scorer, per 32-candidate tile: wait full[b]; issue S = Q·Kᵀ (kDqk/16 wgmmas) behind its P·V of the
+// previous tile, wait for that P·V and arrive empty for the previous buffer, then wait for S; softmax;
+// P and the rows' rescale factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half]
+// += P·V (2 wgmmas, left in flight into the next tile). Per 64-candidate tile (whose 32 scores a
+// thread holds leave no registers for a P·V in flight): wait full[b]; S, wait; softmax; wait p_free
+// (warpgroup 2 is done with the one P buffer); P and the factors; arrive p_ready; P·V (4 wgmmas),
+// wait, arrive empty[b].
+// Warpgroup 2, per tile: wait p_ready[b]; rescale; O[:, second half] += P·V (P from shared memory);
+// arrive empty[b] (and p_free with one P buffer). The conversion of tile i + 1 and the gathers of
+// tiles i + 1 and i + 2 overlap the MMAs of tile i; warpgroup 2's P·V of tile i overlaps the scorer's S
+// of tile i + 1.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -88,32 +92,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       return valid;
     };
     if constexpr (Cfg::kDirectTiles) {
-      // Starts the copies of this thread's units of a row straight into tile buffer b (zeros for a
-      // masked row, whose bytes are never read) and writes the row's score bias; one commit group.
-      auto issue_direct = [&](const PendingRow& row, int b) {
-        const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
-        uint8_t* const tile = tile_buffer(b);
-        const uint8_t* const source = valid ? pending_cache<Loader::kF.dual_cache>(a, row).data_row(row.index) : nullptr;
+      // Starts the copies of this thread's units of its rows (one per round) straight into tile buffer b
+      // (zeros for a masked row, whose bytes are never read) and writes the rows' score bias; one commit
+      // group.
+      constexpr int kRounds = Cfg::kRounds;
+      using Rows = PendingRow[kRounds];
+      auto read_rows = [&](Rows& rows, int tile_index) {
 #pragma unroll
-        for (int u = 0; u < Loader::kUnitsPerThread; ++u) {
-          const int unit = load_sub + u * Loader::kThreadsPerRow;
-          if (unit >= Loader::kUnits) continue;
-          uint8_t* const to = tile + swizzled_offset(load_row, 8 * unit, kN);
-          if (valid) {
-            cp_async_16(to, source + 16 * unit);
-          } else {
-            *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
-          }
+        for (int r = 0; r < kRounds; ++r) {
+          rows[r] = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, tile_index, r * Cfg::kRoundRows + load_row);
         }
-        if (load_sub == 0) score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
+      };
+      auto issue_direct = [&](const Rows& rows, int b) {
+        uint8_t* const tile = tile_buffer(b);
+#pragma unroll
+        for (int r = 0; r < kRounds; ++r) {
+          const int row = r * Cfg::kRoundRows + load_row;
+          const bool valid = pending_valid<Loader::kF.dual_cache>(a, rows[r]);
+          const uint8_t* const source =
+              valid ? pending_cache<Loader::kF.dual_cache>(a, rows[r]).data_row(rows[r].index) : nullptr;
+#pragma unroll
+          for (int u = 0; u < Loader::kUnitsPerThread; ++u) {
+            const int unit = load_sub + u * Loader::kThreadsPerRow;
+            if (unit >= Loader::kUnits) continue;
+            uint8_t* const to = tile + swizzled_offset(row, 8 * unit, kN);
+            if (valid) {
+              cp_async_16(to, source + 16 * unit);
+            } else {
+              *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+            }
+          }
+          if (load_sub == 0) score_bias[b * kN + row] = valid ? 0.0f : -INFINITY;
+        }
         cp_async_commit();
       };
       constexpr int kStages = Cfg::kStages;
+      Rows pending;
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
-        issue_direct(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, s, load_row), s);
+        read_rows(pending, s);
+        issue_direct(pending, s);
       }
-      PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, kStages, load_row);
+      read_rows(pending, kStages);
       for (int i = 0; i < tiles.count; ++i) {
         const int b = i & (kStages - 1);
         // In flight: tiles i .. i + kStages - 2 (one commit group each, empty past the end).
@@ -128,7 +148,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         } else {
           cp_async_commit();  // keeps one group per tile
         }
-        pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, refill + 1, load_row);
+        read_rows(pending, refill + 1);
       }
     } else {
       // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
@@ -192,9 +212,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 
   // The rest runs with the consumer's half of d_v as a compile-time constant: every shared-memory
   // descriptor is then a warp-uniform base plus constants, computed in uniform registers.
-  float* const row_rescale = reinterpret_cast<float*>(smem + Cfg::kRescaleOffset);  // [2][kHeadTile]
+  float* const row_rescale = reinterpret_cast<float*>(smem + Cfg::kRescaleOffset);  // [kPBuffers][kHeadTile]
   float* const final_state = reinterpret_cast<float*>(smem + Cfg::kFinalOffset);    // [max, sum][kHeadTile]
   auto p_buffer = [&](int b, int v) { return smem + Cfg::kPOffset + (b * Cfg::kPVariants + v) * Cfg::kPBytes; };
+  // P rows are one swizzle row each: 128 bytes (64 candidates, chunk c of row r at c ^ (r % 8)) or 64
+  // bytes (32 candidates, chunk c of row r at c ^ ((r / 2) % 4)).
+  constexpr Swizzle kPSwizzle = Cfg::kPRowBytes == 128 ? Swizzle::k128B : Swizzle::k64B;
+  auto p_chunk = [](int row, int chunk) { return Cfg::kPRowBytes == 128 ? chunk ^ (row % 8) : chunk ^ ((row / 2) % 4); };
   // The A fragment of P for k16 step kk (m16n8k16 layout): exact scales multiply P by the mantissas of
   // scale group `scale_group` of the tile's candidates (stage b), in FP32 before the rounding to BF16.
   auto pack_p = [&](uint32_t (&fragment)[4], const float (&p)[kN / 8][4], int kk, int scale_group, int b) {
@@ -259,15 +283,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     if (tiles.count > 0) {
       for (int i = 0; i < tiles.count; ++i) {
         const int b = i & (Cfg::kStages - 1);  // tile buffer, full/empty barriers, score bias
-        const int pb = i & 1;                  // P buffer, p_ready barrier, rescale factors
+        const int pb = i & (Cfg::kPBuffers - 1);  // P buffer, p_ready barrier, rescale factors
         const uint8_t* const tile = tile_buffer(b);
         const SmemDescriptor v_descriptor = smem_descriptor(
             tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
         if constexpr (group == 0) {
           named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
           // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile.
-          float score[kN / 8][4];  // the m64n32 accumulators: score[j][r] as in online_softmax.cuh
-          float (&score_registers)[16] = reinterpret_cast<float (&)[16]>(score);
+          float score[kN / 8][4];  // the m64nkN accumulators: score[j][r] as in online_softmax.cuh
+          float (&score_registers)[kN / 2] = reinterpret_cast<float (&)[kN / 2]>(score);
           const SmemDescriptor q_descriptor = smem_descriptor(q_smem, 16, 1024);
           const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
           // k-steps [first, last) accumulate into the scores, one wgmma group.
@@ -277,8 +301,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             for (int ks = first; ks < last; ++ks) {
               const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
               const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-              wgmma_m64n32k16_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
-                                 ks > 0 ? 1 : 0);
+              wgmma_score_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
+                             ks > 0 ? 1 : 0);
             }
             wgmma_commit();
           };
@@ -294,7 +318,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             fence_registers(score_registers);
           };
           if constexpr (Cfg::kExactScales) {
-            if (i > 0) {
+            if (Cfg::kScorerPVInFlight && i > 0) {
               wgmma_wait_all();
               previous_pv_registers();
               release(i - 1);
@@ -313,19 +337,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             // S of this tile queues behind the previous tile's P·V on the tensor cores: its issue does
             // not wait for that P·V, and the previous buffer goes back as soon as the P·V is done.
             issue_score_steps(0, Cfg::kKSteps);
-            if (i > 0) {
+            if (Cfg::kScorerPVInFlight && i > 0) {
               wgmma_wait<1>();
               release(i - 1);
             }
             wgmma_wait_all();
             fence_registers(score_registers);
-            previous_pv_registers();
+            if constexpr (Cfg::kScorerPVInFlight) previous_pv_registers();
           }
 
           // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
           float rescale[2];
           softmax.update(score, score_bias + b * kN, a.sm_scale * kLog2e, lane, rescale);
           if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
+          // One P buffer: warpgroup 2 hands it back (with the rescale row) once its P·V of the previous
+          // tile has read it.
+          if constexpr (Cfg::kPBuffers == 1) {
+            if (i > 0) named_barrier_sync(Cfg::kPFreeBarrier, 2 * Cfg::kScorerThreads);
+          }
           if (lane % 4 == 0) {
             row_rescale[pb * Cfg::kHeadTile + rows[0]] = rescale[0];
             row_rescale[pb * Cfg::kHeadTile + rows[1]] = rescale[1];
@@ -348,23 +377,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                   const int row = rows[r];
-                  *reinterpret_cast<uint32_t*>(p_rows + row * Cfg::kPRowBytes + ((chunk ^ ((row / 2) % 4)) * 16) +
+                  *reinterpret_cast<uint32_t*>(p_rows + row * Cfg::kPRowBytes + p_chunk(row, chunk) * 16 +
                                                (lane % 4) * 4) = theirs[2 * half + r];
                 }
               }
             }
           }
           fence_proxy_async_shared();
-          // A sync, not an arrive: warpgroup 2 is already waiting (its P·V of the previous tile is short
-          // beside this S), and the handoff of row_rescale is then a plain two-sided barrier.
-          named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
+          if constexpr (Cfg::kPBuffers == 1) {
+            named_barrier_arrive(Cfg::kPReadyBarrier, 2 * Cfg::kScorerThreads);
+          } else {
+            // A sync, not an arrive: warpgroup 2 is already waiting (its P·V of the previous tile is short
+            // beside this S), and the handoff of row_rescale is then a plain two-sided barrier.
+            named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
+          }
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kN / 16; ++kk) {
 #pragma unroll
             for (int v = 0; v < kV; ++v) pv_rs(v, p_fragment[v][kk], v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
           }
-          wgmma_commit();  // left in flight: waited for in the next tile, after its S is issued
+          wgmma_commit();
+          if constexpr (!Cfg::kScorerPVInFlight) {
+            wgmma_wait_all();
+            previous_pv_registers();
+            release(i);
+          }  // otherwise left in flight: waited for in the next tile, after its S is issued
         } else {
           named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
           float rescale[2] = {row_rescale[pb * Cfg::kHeadTile + rows[0]], row_rescale[pb * Cfg::kHeadTile + rows[1]]};
@@ -374,7 +412,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           for (int kk = 0; kk < kN / 16; ++kk) {
 #pragma unroll
             for (int v = 0; v < kV; ++v) {
-              const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(pb, v), 16, 8 * Cfg::kPRowBytes, Swizzle::k64B);
+              const SmemDescriptor p_descriptor = smem_descriptor(p_buffer(pb, v), 16, 8 * Cfg::kPRowBytes, kPSwizzle);
               pv_ss(v, p_descriptor.offset(kk * 32),
                     v_descriptor.offset(kk * 16 * 128 + v * kVariantBlocks * Cfg::kTileBlockBytes));
             }
@@ -383,6 +421,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           wgmma_wait_all();
           fence_registers(out_acc);
           release(i);
+          if constexpr (Cfg::kPBuffers == 1) {
+            if (i + 1 < tiles.count) named_barrier_arrive(Cfg::kPFreeBarrier, 2 * Cfg::kScorerThreads);
+          }
         }
       }
       if constexpr (group == 0) {

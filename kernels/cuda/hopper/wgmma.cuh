@@ -1,4 +1,4 @@
-// PTX wrappers of the Hopper family (sm_90a only): shared-memory matrix descriptors, the two wgmma
+// PTX wrappers of the Hopper family (sm_90a only): shared-memory matrix descriptors, the wgmma
 // shapes the kernels issue, wgmma fences and groups, the generic→async proxy fence and register
 // reallocation. Every wrapper is `asm volatile`, so the compiler keeps their order.
 #pragma once
@@ -110,6 +110,29 @@ JSMLA_DEVICE void wgmma_m64n32k16_ss(float (&d)[16], SmemDescriptor a, SmemDescr
       JSMLA_WGMMA_D8(d, (i) + 32), JSMLA_WGMMA_D8(d, (i) + 40), JSMLA_WGMMA_D8(d, (i) + 48), JSMLA_WGMMA_D8(d, (i) + 56)
 #define JSMLA_WGMMA_D64(d) JSMLA_WGMMA_D64_AT(d, 0)
 #define JSMLA_WGMMA_D128(d) JSMLA_WGMMA_D64_AT(d, 0), JSMLA_WGMMA_D64_AT(d, 64)
+
+// d[64x64] (+)= A[64x16] · B[16x64]: A and B in shared memory, both K-major, BF16 in, FP32 accumulators.
+JSMLA_DEVICE void wgmma_m64n64k16_ss(float (&d)[32], SmemDescriptor a, SmemDescriptor b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %36, 0;\n"
+      "mov.b64 da, {%32, %33};\nmov.b64 db, {%34, %35};\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+      "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, da, db, "
+      "p, 1, 1, 0, 0;\n}\n"
+      : JSMLA_WGMMA_D8(d, 0), JSMLA_WGMMA_D8(d, 8), JSMLA_WGMMA_D8(d, 16), JSMLA_WGMMA_D8(d, 24)
+      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(accumulate));
+}
+
+// S over one candidate tile: the m64n32 or m64n64 shape by the tile's width.
+template <int kCount>
+JSMLA_DEVICE void wgmma_score_ss(float (&d)[kCount], SmemDescriptor a, SmemDescriptor b, int accumulate) {
+  static_assert(kCount == 16 || kCount == 32, "S tiles are 32 or 64 candidates wide");
+  if constexpr (kCount == 16) {
+    wgmma_m64n32k16_ss(d, a, b, accumulate);
+  } else {
+    wgmma_m64n64k16_ss(d, a, b, accumulate);
+  }
+}
 
 // d[64x256] += A[64x16] · B[16x256]: A in registers (the m16n8k16 A-fragment layout per warp), B in
 // shared memory MN-major (transposed), BF16 in, FP32 accumulators.
