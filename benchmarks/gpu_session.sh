@@ -18,6 +18,8 @@
 #                                                 # (its pure-Python needs from $JSMLA_EXTRA_WHEELS, if set)
 #   bash benchmarks/gpu_session.sh compare        # build (+ FlashMLA) + smoke tier + standalone check + the
 #                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
+#                                                 # (JSMLA_COMPARE_TESTS=0 / JSMLA_COMPARE_CHECK=0 skip the
+#                                                 # tier / the check)
 #   bash benchmarks/gpu_session.sh backward       # build + the backward's GPU tests + memcheck over their
 #                                                 # sanitize tests + bench_backward.py's H200 rows
 #   bash benchmarks/gpu_session.sh backward_profile
@@ -187,7 +189,9 @@ case "$mode" in
     tail -14 "$out/sweep.log"
     ;;
   compare)
-    run_tests -m "gpu and not gpu_full" || status=1
+    if [ "${JSMLA_COMPARE_TESTS:-1}" = 1 ]; then  # the smoke tier (0: skip it, for a benchmark-only call)
+      run_tests -m "gpu and not gpu_full" || status=1
+    fi
     if [ "${JSMLA_COMPARE_CHECK:-1}" = 1 ]; then  # the standalone check (0: skip it)
       (cd "$repo" && SKIP_SANITIZE=1 OUT="$out/check" CHECK_TIMEOUT="${JSMLA_CHECK_TIMEOUT:-200}" \
          bash kernels/cuda/tests/build_and_check.sh > "$out/check.log" 2>&1) || status=1
