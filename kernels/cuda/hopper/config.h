@@ -140,7 +140,6 @@ struct HopperConfig {
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0, "rows must be whole 64-column swizzle blocks");
   static_assert(kDvPerGroup == 256, "one m64n256k16 wgmma per k16 step covers a consumer's half of d_v");
   static_assert(kCandidateTile % 16 == 0 && kCandidateTile % 8 == 0, "P·V consumes candidates in k16 steps");
-  static_assert(kProducerThreads % kCandidateTile == 0, "every tile row gets the same number of producer threads");
   static_assert(Geometry::kThreadsPerRow * 16 == 64, "a warp stages 8 rows × 64 bytes per cp.async (kPaddedPitch)");
   static_assert(kCandidateTile % kRoundRows == 0 && kRoundRows * 4 == kProducerThreads,
                 "a tile is whole producer rounds of 4 threads a row");

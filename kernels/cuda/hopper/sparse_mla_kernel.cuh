@@ -17,9 +17,9 @@
 // (warpgroup 2 is done with the one P buffer); P and the factors; arrive p_ready; P·V (4 wgmmas),
 // wait, arrive empty[b].
 // Warpgroup 2, per tile: wait p_ready[b]; rescale; O[:, second half] += P·V (P from shared memory);
-// arrive empty[b] (and p_free with one P buffer). The conversion of tile i + 1 and the gathers of
-// tiles i + 1 and i + 2 overlap the MMAs of tile i; warpgroup 2's P·V of tile i overlaps the scorer's S
-// of tile i + 1.
+// arrive empty[b] (and p_free with one P buffer). The MMAs of tile i overlap the conversion of tile
+// i + 1 and the gather of tile i + 2 (staged rows), or the gather of tile i + 1 (BF16 rows); warpgroup
+// 2's P·V of tile i overlaps the scorer's S of tile i + 1 (32-candidate tiles).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -359,8 +359,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             row_rescale[pb * Cfg::kHeadTile + rows[0]] = rescale[0];
             row_rescale[pb * Cfg::kHeadTile + rows[1]] = rescale[1];
           }
-          // P (BF16): this consumer's variants as A fragments, warpgroup 2's into P buffer b — 64-byte
-          // swizzled rows, the 8-column chunk j of row r at chunk j ^ ((r / 2) % 4). Exact scales: variant
+          // P (BF16): this consumer's variants as A fragments, warpgroup 2's into P buffer pb — one
+          // swizzled row per head, the 8-column chunk j of row r at p_chunk(r, j). Exact scales: variant
           // v of consumer c is P times the candidates' mantissas of scale group c·kPVariants + v, in FP32
           // before the one rounding to BF16; otherwise there is one P.
 #pragma unroll
