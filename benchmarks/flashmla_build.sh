@@ -7,7 +7,11 @@ flashmla_pid=""
 # Starts FlashMLA's build in the background (log: $out/flashmla_build.log) when its sources are there.
 start_flashmla_build() {
   if [ -f "$flashmla_src/setup_sm90.py" ]; then
-    (cd "$flashmla_src" && MAX_JOBS=8 NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
+    # CUDA 13 keeps the CCCL headers (cuda/std/...) under include/cccl, where nvcc finds them and the
+    # host compiler of FlashMLA's C++ sources does not.
+    local cccl
+    cccl=$(dirname "$(dirname "$(command -v nvcc)")")/include/cccl
+    (cd "$flashmla_src" && CPLUS_INCLUDE_PATH="$cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" MAX_JOBS=8 NVCC_THREADS=1 TORCH_CUDA_ARCH_LIST=9.0a \
        python3 setup_sm90.py build_ext --inplace > "$out/flashmla_build.log" 2>&1) &
     flashmla_pid=$!
   fi
