@@ -22,9 +22,12 @@
 #                                                 # tier / the check)
 #   bash benchmarks/gpu_session.sh backward       # build + the backward's GPU tests + memcheck over their
 #                                                 # sanitize tests + bench_backward.py's H200 rows
+#                                                 # (JSMLA_BACKWARD_TESTS=0: the rows only, of the formats
+#                                                 # JSMLA_BACKWARD_FORMATS and the T of JSMLA_BACKWARD_TOKENS)
 #   bash benchmarks/gpu_session.sh backward_profile
 #                                                 # build + ncu per-kernel times of one jitted jax.grad step
-#                                                 # (bf16_576 T=1024 H=128: q, q + cache; dsv3_2: q)
+#                                                 # (bf16_576 T=1024 H=128: q, q + cache; dsv3_2: q;
+#                                                 # JSMLA_BACKWARD_PROFILES="bf16_576:cache" picks some)
 #   JSMLA_TEST_ARGS='-m gpu -k backward' bash benchmarks/gpu_session.sh tests
 #                                                 # build + the pytest selection JSMLA_TEST_ARGS
 #
@@ -98,21 +101,24 @@ case "$mode" in
     eval "run_tests ${JSMLA_TEST_ARGS:?JSMLA_TEST_ARGS names the pytest selection}" || status=1
     ;;
   backward)
-    run_tests -m gpu -k "backward or grad" || status=1
-    JSMLA_SANITIZE=1 timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --leak-check no \
-      --error-exitcode 9 --target-processes all python3 -m pytest -q -p no:cacheprovider -m gpu -k sanitize \
-      "$repo/tests/gpu/test_backward_cuda.py" > "$out/sanitizer_memcheck_backward.log" 2>&1 || status=1
-    echo "memcheck (backward): $(grep -E "ERROR SUMMARY" "$out/sanitizer_memcheck_backward.log" | sort | uniq -c | tr '\n' ' ')"
-    grep -E "passed|failed" "$out/sanitizer_memcheck_backward.log" | tail -1
+    if [ "${JSMLA_BACKWARD_TESTS:-1}" = 1 ]; then  # 0: the benchmark rows only
+      run_tests -m gpu -k "backward or grad" || status=1
+      JSMLA_SANITIZE=1 timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --leak-check no \
+        --error-exitcode 9 --target-processes all python3 -m pytest -q -p no:cacheprovider -m gpu -k sanitize \
+        "$repo/tests/gpu/test_backward_cuda.py" > "$out/sanitizer_memcheck_backward.log" 2>&1 || status=1
+      echo "memcheck (backward): $(grep -E "ERROR SUMMARY" "$out/sanitizer_memcheck_backward.log" | sort | uniq -c | tr '\n' ' ')"
+      grep -E "passed|failed" "$out/sanitizer_memcheck_backward.log" | tail -1
+    fi
     # Each row compiles XLA's reference twice (13-20 s a jit at T = 1024): the rows go out on stderr as
     # they complete, so a run cut short by the timeout still reports the rows it finished.
-    timeout "${JSMLA_BENCH_TIMEOUT:-420}" python3 "$repo/benchmarks/bench_backward.py" --formats bf16_576,dsv3_2 \
-      --tokens 1024,4096 --heads 128 --topk 2048 --cache_tokens 65536 --cache_gradient both --repeats 3 \
+    timeout "${JSMLA_BENCH_TIMEOUT:-420}" python3 "$repo/benchmarks/bench_backward.py" \
+      --formats "${JSMLA_BACKWARD_FORMATS:-bf16_576,dsv3_2}" --tokens "${JSMLA_BACKWARD_TOKENS:-1024,4096}" \
+      --heads 128 --topk 2048 --cache_tokens 65536 --cache_gradient both --repeats 3 \
       --check_tokens 128 --out_dir "$out" > "$out/bench_backward.log" 2> "$out/bench_backward.err" || status=1
     grep -E "^\|" "$out/bench_backward.err" | tail -12
     ;;
   backward_profile)
-    for profile in bf16_576:q bf16_576:cache dsv3_2:q; do
+    for profile in ${JSMLA_BACKWARD_PROFILES:-bf16_576:q bf16_576:cache dsv3_2:q}; do
       format=${profile%:*} gradient=${profile#*:}
       ncu --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
         python3 "$repo/benchmarks/step_profile.py" --format "$format" --tokens 1024 --heads 128 \
