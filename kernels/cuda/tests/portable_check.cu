@@ -761,7 +761,8 @@ int main(int argc, char** argv) {
         run_case(d1h16, serial_combine(decode_plan(16, 2048, splits)), {0}, 15);
       }
       release(d1h16);
-      // A 16-head tensor-parallel shard at T = 128: bound by the gathered bytes (the portable tile).
+      // A 16-head tensor-parallel shard at T = 128 (the portable tile; kernels/cuda/NOTES.md: its pace is the
+      // per-tile chain of four warps, not the bytes in flight).
       Problem pr128h16{"dsv3_2 T=128 H=16 k=2048", FormatId::kDsv32, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
       DeviceProblem d128h16 = make_problem(pr128h16, &cache, nullptr, 25);
       for (int splits : {2, 4}) run_case(d128h16, decode_plan(16, 2048, splits), {0, 127}, 15);
