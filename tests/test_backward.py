@@ -632,23 +632,23 @@ def test_cuda_lowering_of_the_kernel_backward(rng):
 def test_backward_workspace_grows_with_the_cache_gradient():
     """The workspace holds two [T, H] double arrays; a cache gradient adds the sort's keys and pairs
     (T * topk of each, twice), the output rows' ranges, the tensor-core path's P and c (bf16, positions
-    padded to 64) and partial rows (fp32) for one chunk of tokens, and the sort's scratch."""
+    padded to 64) and partial rows (bf16) for one chunk of tokens, and the sort's scratch."""
     align = lambda b: -(-b // 16) * 16  # noqa: E731
     small = jsm.kernel_tables.backward_workspace_bytes(3, 5, 7, 1, 11, False, 576, 3)
     assert small == 2 * align(3 * 5 * 8)
     big = jsm.kernel_tables.backward_workspace_bytes(3, 5, 7, 2, 11, True, 576, 3)
-    tensor_core = 2 * align(3 * 5 * 64 * 2) + align(3 * 7 * 576 * 4)
+    tensor_core = 2 * align(3 * 5 * 64 * 2) + align(3 * 7 * 576 * 2)
     assert big >= small + 2 * 21 * 8 + 2 * 21 * 4 + 2 * 22 * 4 + tensor_core
     # Two chunks of 2 and 1 tokens: the per-chunk parts for 2 tokens, plus the rows' fp32 running sums.
     chunked = jsm.kernel_tables.backward_workspace_bytes(3, 5, 7, 2, 11, True, 576, 2)
-    assert chunked - big == 2 * align(2 * 5 * 64 * 2) + align(2 * 7 * 576 * 4) - tensor_core + align(22 * 576 * 4)
+    assert chunked - big == 2 * align(2 * 5 * 64 * 2) + align(2 * 7 * 576 * 2) - tensor_core + align(22 * 576 * 4)
 
 
 def test_backward_chunk_of_a_long_prefill():
     """By default the chunk keeps its P, c and partial rows within 4 GiB: T = 4096, H = 128, topk 2048 would
-    need 23.6 GB at once; JSMLA_BACKWARD_CHUNK_BYTES sets another budget (at least one token a chunk)."""
+    need 14.0 GB at once; JSMLA_BACKWARD_CHUNK_BYTES sets another budget (at least one token a chunk)."""
     t, h, topk, d_qk = 4096, 128, 2048, 576
-    per_token = 2 * h * topk * 2 + topk * d_qk * 4
+    per_token = 2 * h * topk * 2 + topk * d_qk * 2
     assert jsm.kernel_tables.BACKWARD_CHUNK_BUDGET_BYTES == 2 ** 32
     assert jsm.kernel_tables.backward_chunk_tokens(t, h, topk, d_qk) == 2 ** 32 // per_token
     assert jsm.kernel_tables.backward_chunk_tokens(64, h, topk, d_qk) == 64

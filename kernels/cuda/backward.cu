@@ -364,16 +364,22 @@ MmaLauncher mma_launcher(const FormatTraits& main, const FormatTraits& extra, co
 // The tensor-core path's sums of one chunk of tokens [first_token, end_token).
 struct CacheSumLaunch {
   CacheGradientLaunch cache;
-  const float* partials;  // [chunk tokens * topk, d_qk]
-  float* accumulator;     // [G * slots, d_qk] (used only with more than one chunk)
+  const uint16_t* partials;  // bf16 [chunk tokens * topk, d_qk]
+  float* accumulator;        // [G * slots, d_qk] (used only with more than one chunk)
   int64_t first_token, end_token;
   bool first_chunk, last_chunk;
 };
 
+constexpr int kSumMaxDqk = 576;              // the tensor-core path's widest rows (mma_backward_serves)
+constexpr int kSumWords = kSumMaxDqk / 64;   // bf16 pairs of a row a lane adds
+constexpr int kSumBatch = 4;                 // partial rows a warp has in flight at once
+static_assert(kSumMaxDqk % 64 == 0, "a warp's lanes take whole bf16 pairs of every row");
+
 // One warp per output row (gradient group, slot): adds the partial rows of its pairs whose token is in the
 // chunk, in the sorted (token, candidate) order, to the row's running sum (kept in `accumulator` between
 // chunks, advancing row_first past the pairs taken), and after the last chunk writes it rounded once to
-// bf16 (zeros for a row no valid candidate references).
+// bf16 (zeros for a row no valid candidate references). The loads of kSumBatch rows are in flight
+// together; they are added one after another in the sorted order.
 __global__ void __launch_bounds__(32 * kRowWarps) cache_sum_kernel(const __grid_constant__ CacheSumLaunch launch) {
   const CacheGradientLaunch& cache = launch.cache;
   const AttentionParams& a = cache.p.forward;
@@ -381,35 +387,60 @@ __global__ void __launch_bounds__(32 * kRowWarps) cache_sum_kernel(const __grid_
   const int lane = threadIdx.x % 32;
   if (output_row >= cache.p.gradient_groups * cache.num_slots) return;
   const int d_qk = cache.format.d_qk;
-  float acc[kLanesPerThread];
+  const int words = d_qk / 2;
+  float acc[kSumWords][2];
 #pragma unroll
-  for (int i = 0; i < kLanesPerThread; ++i) {
-    const int d = lane + 32 * i;
-    acc[i] = !launch.first_chunk && d < d_qk ? launch.accumulator[output_row * d_qk + d] : 0.0f;
+  for (int i = 0; i < kSumWords; ++i) {
+    const int d = 2 * (lane + 32 * i);
+    const bool kept = !launch.first_chunk && d < d_qk;
+    acc[i][0] = kept ? launch.accumulator[output_row * d_qk + d] : 0.0f;
+    acc[i][1] = kept ? launch.accumulator[output_row * d_qk + d + 1] : 0.0f;
   }
   int32_t k = cache.row_first[output_row];
   const int32_t last = cache.row_last[output_row];
-  for (; k < last; ++k) {
-    const int32_t position = cache.sorted_pairs[k];
-    const int64_t t = position / a.main.topk;
-    if (t >= launch.end_token) break;
-    const float* partial = launch.partials + ((t - launch.first_token) * a.main.topk + position % a.main.topk) * d_qk;
+  for (;;) {
+    // The next kSumBatch pairs of the run whose token is in the chunk (tokens rise along a run).
+    uint32_t rows[kSumBatch][kSumWords];
+    int taken = 0;
 #pragma unroll
-    for (int i = 0; i < kLanesPerThread; ++i) {
-      const int d = lane + 32 * i;
-      if (d < d_qk) acc[i] += partial[d];
+    for (int u = 0; u < kSumBatch; ++u) {
+      if (taken != u || k + u >= last) continue;
+      const int32_t position = cache.sorted_pairs[k + u];
+      const int64_t t = position / a.main.topk;
+      if (t >= launch.end_token) continue;
+      taken = u + 1;
+      const uint32_t* partial = reinterpret_cast<const uint32_t*>(
+          launch.partials + ((t - launch.first_token) * a.main.topk + position % a.main.topk) * d_qk);
+#pragma unroll
+      for (int i = 0; i < kSumWords; ++i) {
+        const int w = lane + 32 * i;
+        rows[u][i] = w < words ? partial[w] : 0u;
+      }
     }
+#pragma unroll
+    for (int u = 0; u < kSumBatch; ++u) {
+      if (u >= taken) break;
+#pragma unroll
+      for (int i = 0; i < kSumWords; ++i) {
+        acc[i][0] += bits_to_float(rows[u][i] << 16);
+        acc[i][1] += bits_to_float(rows[u][i] & 0xffff0000u);
+      }
+    }
+    k += taken;
+    if (taken < kSumBatch) break;
   }
   __syncwarp();  // every lane has read row_first before lane 0 moves it
   if (lane == 0) cache.row_first[output_row] = k;
 #pragma unroll
-  for (int i = 0; i < kLanesPerThread; ++i) {
-    const int d = lane + 32 * i;
+  for (int i = 0; i < kSumWords; ++i) {
+    const int d = 2 * (lane + 32 * i);
     if (d >= d_qk) continue;
     if (launch.last_chunk) {
-      cache.p.d_kv_cache[output_row * d_qk + d] = float_to_bf16(acc[i]);
+      *reinterpret_cast<uint32_t*>(cache.p.d_kv_cache + output_row * d_qk + d) =
+          static_cast<uint32_t>(float_to_bf16(acc[i][0])) | static_cast<uint32_t>(float_to_bf16(acc[i][1])) << 16;
     } else {
-      launch.accumulator[output_row * d_qk + d] = acc[i];
+      launch.accumulator[output_row * d_qk + d] = acc[i][0];
+      launch.accumulator[output_row * d_qk + d + 1] = acc[i][1];
     }
   }
 }
@@ -500,12 +531,13 @@ cudaError_t launch_backward(const FormatTraits& main, const FormatTraits& extra,
     return cudaGetLastError();
   }
 
+  if (cache.format.d_qk > kSumMaxDqk || cache.format.d_qk % 2 != 0) return cudaErrorInvalidValue;  // mma_backward_serves
   // Tensor-core path, chunk by chunk of tokens: q's gradient with every position's P and c, the
   // positions' partial rows, then each output row adds the chunk's run of its pairs.
   backward::BackwardMmaLaunch chunk{p, launch.d_rows};
   chunk.weights = static_cast<uint16_t*>(at(parts.weights));
   chunk.coefficients = static_cast<uint16_t*>(at(parts.coefficients));
-  chunk.partials = static_cast<float*>(at(parts.partials));
+  chunk.partials = static_cast<uint16_t*>(at(parts.partials));
   chunk.position_pitch = BackwardWorkspace::position_pitch(a.main.topk);
   CacheSumLaunch sum{cache, chunk.partials, static_cast<float*>(at(parts.accumulator)), 0, 0, true, false};
   for (int64_t first = 0; first < a.num_tokens; first += parts.chunk_tokens) {

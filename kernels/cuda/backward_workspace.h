@@ -19,7 +19,7 @@ namespace jsmla::cuda {
 //   by chunk_tokens() below):
 //   weights       bf16   [Tc, H, P]      P_j of every row and position (P = topk rounded up to 64)
 //   coefficients  bf16   [Tc, H, P]      c_j = sm_scale P_j (dP_j - D + dl)
-//   partials      fp32   [Tc * topk, d_qk]  each position's Σ_h c_j q_h + P_j dO_h
+//   partials      bf16   [Tc * topk, d_qk]  each position's Σ_h c_j q_h + P_j dO_h, rounded once
 //   accumulator   fp32   [G * slots, d_qk]  the output rows' running sums (only with more than one chunk)
 //   sort_temp     bytes                  the sort's scratch (at most sort_temp_bound(n))
 struct BackwardWorkspace {
@@ -27,6 +27,9 @@ struct BackwardWorkspace {
   // token's worth).
   static constexpr int64_t kChunkBudgetBytes = int64_t{1} << 32;
   static constexpr int kPositionPitchGranule = 64;  // the partials kernel's candidate tile
+  // Bytes of one lane of a partial row (bf16): the partial rows are the cache gradient's largest traffic
+  // (written once, read once), and one rounding per position stays far inside the gradient's bound.
+  static constexpr int64_t kPartialBytes = 2;
 
   static constexpr int64_t align(int64_t bytes) { return (bytes + 15) / 16 * 16; }
   // An upper bound of the radix sort's scratch for n keys (two buffers given: only its histograms and
@@ -40,7 +43,7 @@ struct BackwardWorkspace {
     return (topk + kPositionPitchGranule - 1) / kPositionPitchGranule * kPositionPitchGranule;
   }
   static constexpr int64_t chunk_bytes_per_token(int64_t num_heads, int64_t topk, int64_t d_qk) {
-    return 2 * num_heads * position_pitch(topk) * 2 + topk * d_qk * 4;
+    return 2 * num_heads * position_pitch(topk) * 2 + topk * d_qk * kPartialBytes;
   }
   // Tokens per chunk of the tensor-core cache gradient whose parts fit `budget` bytes (at least 1, at most T).
   static constexpr int64_t chunk_tokens(int64_t num_tokens, int64_t num_heads, int64_t topk, int64_t d_qk,
@@ -83,7 +86,7 @@ struct BackwardWorkspace {
       const int64_t weights = l.chunk_tokens * num_heads * position_pitch(topk) * 2;
       l.weights = take(weights);
       l.coefficients = take(weights);
-      l.partials = take(l.chunk_tokens * topk * d_qk * 4);
+      l.partials = take(l.chunk_tokens * topk * d_qk * kPartialBytes);
       l.accumulator = take(l.chunk_tokens < num_tokens ? rows * d_qk * 4 : 0);
       l.sort_temp = take(sort_temp_bound(n));
     }

@@ -30,6 +30,12 @@ JSMLA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::
 // Waits until every copy this thread issued has landed; the data is then visible to this thread only.
 JSMLA_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// Waits until at most kPending of this thread's cp.async groups are still in flight.
+template <int kPending>
+JSMLA_DEVICE void cp_async_wait_pending() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // Synchronises `thread_count` threads (whole warps) on barrier `id` (0 is __syncthreads). The
 // non-aligned barrier.sync: correct even where the compiler has not reconverged a warp that took
 // lane-dependent branches (bar.sync, the aligned form, requires a converged warp; compute-sanitizer's

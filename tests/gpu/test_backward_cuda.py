@@ -196,7 +196,7 @@ def test_cuda_cache_gradient_in_chunks_of_tokens_sanitize(rng, monkeypatch):
     case = cases.make_case(rng, "bf16_576", num_tokens=7, num_heads=70, topk=40, page_size=4, cache_tokens=24,
                            attn_sink=rng.standard_normal(70), valid_tokens=6)
     whole = _check(rng, case)
-    per_token = 2 * 70 * 64 * 2 + 40 * 576 * 4  # P and c (positions padded to 64), partial rows
+    per_token = 2 * 70 * 64 * 2 + 40 * 576 * 2  # P and c (positions padded to 64), partial rows (bf16)
     monkeypatch.setenv("JSMLA_BACKWARD_CHUNK_BYTES", str(3 * per_token))
     assert jsm.kernel_tables.backward_chunk_tokens(7, 70, 40, 576) == 3
     d_out, d_lse = tb.random_cotangents(np.random.default_rng(1), case)

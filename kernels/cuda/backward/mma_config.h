@@ -73,7 +73,8 @@ struct BackwardMmaConfig {
 
   // The partials kernel (a bf16 cache's gradient): block = (token, half of d_qk's columns), 8 warps in a
   // 4 × 2 grid over 64 candidate positions × the half's columns; the products' k-dimension is the heads
-  // twice over (c against q, then P against dO), padded to 16, at most 2 × kMaxHeads.
+  // twice over (c against q, then P against dO), padded to 16, at most 2 × kMaxHeads. Two A buffers: the
+  // next tile's copies overlap this tile's products.
   struct Partials {
     static constexpr int kTile = BackwardWorkspace::kPositionPitchGranule;  // candidate positions per step
     static constexpr int kSpan = kDqk / 2;                                  // columns per block
@@ -83,8 +84,8 @@ struct BackwardMmaConfig {
     static constexpr int kBPitch = kSpan + 8;
     static constexpr int kAPitch = kTile + 8;
     struct SharedMemory {
-      uint16_t b[kRows][kBPitch];  // q, then dO, of the token's heads: the half's columns
-      uint16_t a[kRows][kAPitch];  // c, then P, of the tile's positions
+      uint16_t b[kRows][kBPitch];     // q, then dO, of the token's heads: the half's columns
+      uint16_t a[2][kRows][kAPitch];  // c, then P, of a tile's positions: this tile's and the next's
     };
     static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedMemory));
     static_assert(kTile == 16 * 4, "four m16 row blocks of positions");

@@ -315,21 +315,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) cache_partials_kernel(const 
   const int lane = threadIdx.x % 32;
   const int group = warp % 4;  // positions [16 group, 16 group + 16) of the tile
   const int half = warp / 4;   // columns [half · kColumnsPerWarp, ...) of the block's span
-  const uint16_t* const a_lane = &smem.a[lane % 8 + 8 * (lane / 16)][16 * group + 8 * ((lane / 8) % 2)];
+  const uint16_t* const a_lane = &smem.a[0][lane % 8 + 8 * (lane / 16)][16 * group + 8 * ((lane / 8) % 2)];
   const uint16_t* const b_lane = &smem.b[lane % 8 + ((lane / 8) % 2) * 8][half * Shape::kColumnsPerWarp + (lane / 16) * 8];
   const int k_steps = 2 * padded_heads / 16;
   const int32_t length = a.main.row_length(token);
   const int64_t chunk_rows = chunk_token * num_heads;
 
-  for (int32_t first = 0; first < length; first += Shape::kTile) {
-    // A: row r < Hp is c of head r, row Hp + r its P; positions [first, first + 64).
+  // A of the tile at `first` into buffer `buffer`: row r < Hp is c of head r, row Hp + r its P; positions
+  // [first, first + 64). The copies of the next tile are in flight while the block multiplies this one.
+  auto load_a = [&](int32_t first, int buffer) {
     constexpr int kAUnits = Shape::kTile / 8;
     for (int i = threadIdx.x; i < 2 * padded_heads * kAUnits; i += Cfg::kThreads) {
       const int r = i / kAUnits;
       const int u = i % kAUnits;
       const bool is_c = r < padded_heads;
       const int h = is_c ? r : r - padded_heads;
-      uint16_t* to = &smem.a[r][8 * u];
+      uint16_t* to = &smem.a[buffer][r][8 * u];
       if (head_active(h)) {
         const uint16_t* from = (is_c ? launch.coefficients : launch.weights) +
                                (chunk_rows + h) * launch.position_pitch + first + 8 * u;
@@ -339,15 +340,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) cache_partials_kernel(const 
       }
     }
     cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();  // A (and, the first time, B) landed
+  };
+  if (length > 0) load_a(0, 0);
+
+  int buffer = 0;
+  for (int32_t first = 0; first < length; first += Shape::kTile, buffer ^= 1) {
+    if (first + Shape::kTile < length) {
+      load_a(first + Shape::kTile, buffer ^ 1);
+      cp_async_wait_pending<1>();  // all but the next tile's copies: this tile's A (and, the first time, B)
+    } else {
+      cp_async_wait_all();
+    }
+    __syncthreads();  // A (and, the first time, B) landed for every thread
 
     float acc[Shape::kTiles][4];
 #pragma unroll
     for (int i = 0; i < Shape::kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    const uint16_t* const a_tile = a_lane + buffer * (Shape::kRows * Shape::kAPitch);
     for (int ks = 0; ks < k_steps; ++ks) {
       uint32_t a_fragment[4];
-      ldmatrix_x4_trans(a_fragment, a_lane + 16 * ks * Shape::kAPitch);
+      ldmatrix_x4_trans(a_fragment, a_tile + 16 * ks * Shape::kAPitch);
 #pragma unroll
       for (int pair = 0; pair < Shape::kTiles / 2; ++pair) {
         uint32_t b[4];
@@ -357,21 +369,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) cache_partials_kernel(const 
       }
     }
 
+    // Each position's partial row, rounded once to bf16 (kPartialBytes).
     const int32_t position_a = first + 16 * group + lane / 4;
     const int32_t position_b = position_a + 8;
     const int column = column0 + half * Shape::kColumnsPerWarp + 2 * (lane % 4);
+    uint16_t* const row_a = launch.partials + (chunk_token * a.main.topk + position_a) * Cfg::kDqk + column;
+    uint16_t* const row_b = launch.partials + (chunk_token * a.main.topk + position_b) * Cfg::kDqk + column;
 #pragma unroll
     for (int i = 0; i < Shape::kTiles; ++i) {
-      if (position_a < length) {
-        *reinterpret_cast<float2*>(launch.partials + (chunk_token * a.main.topk + position_a) * Cfg::kDqk + column + 8 * i) =
-            make_float2(acc[i][0], acc[i][1]);
-      }
-      if (position_b < length) {
-        *reinterpret_cast<float2*>(launch.partials + (chunk_token * a.main.topk + position_b) * Cfg::kDqk + column + 8 * i) =
-            make_float2(acc[i][2], acc[i][3]);
-      }
+      if (position_a < length) *reinterpret_cast<uint32_t*>(row_a + 8 * i) = pack_bf16x2(acc[i][0], acc[i][1]);
+      if (position_b < length) *reinterpret_cast<uint32_t*>(row_b + 8 * i) = pack_bf16x2(acc[i][2], acc[i][3]);
     }
-    __syncthreads();  // A is no longer read
+    __syncthreads();  // this buffer is no longer read: the tile after next may land in it
   }
   cp_async_wait_all();  // (no tile: B's copies) nothing stays in flight past the block's end
 }

@@ -13,7 +13,7 @@ namespace jsmla::cuda::backward {
 // One launch covers the tokens [first_token, first_token + chunk_tokens). With a bf16 main cache's
 // gradient (partials != nullptr) the kernel also writes every row's P_j and c_j of the chunk's main-list
 // positions (bf16 [chunk_tokens, H, position_pitch]), and the launch then runs the partials kernel:
-// each position's Σ_h c_j q_h + P_j dO_h (fp32 [chunk_tokens * topk, d_qk]; backward_workspace.h).
+// each position's Σ_h c_j q_h + P_j dO_h (bf16 [chunk_tokens * topk, d_qk]; backward_workspace.h).
 struct BackwardMmaLaunch {
   BackwardParams p;
   const double* d_rows;  // [T, H] (workspace): D = <dO, out> of every row, 0 for an inactive row
@@ -21,7 +21,7 @@ struct BackwardMmaLaunch {
   int64_t chunk_tokens = 0;
   uint16_t* weights = nullptr;       // P (bf16), or nullptr without a cache gradient
   uint16_t* coefficients = nullptr;  // c (bf16)
-  float* partials = nullptr;
+  uint16_t* partials = nullptr;      // bf16
   int64_t position_pitch = 0;
 };
 

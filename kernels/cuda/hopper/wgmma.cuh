@@ -77,12 +77,6 @@ JSMLA_DEVICE void decrease_registers() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
-// Waits until at most kPending of this thread's cp.async groups are still in flight.
-template <int kPending>
-JSMLA_DEVICE void cp_async_wait_pending() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
 // d[64x32] (+)= A[64x16] · B[16x32]: A and B in shared memory, both K-major, BF16 in, FP32 accumulators.
 JSMLA_DEVICE void wgmma_m64n32k16_ss(float (&d)[16], SmemDescriptor a, SmemDescriptor b, int accumulate) {
   asm volatile(
