@@ -80,6 +80,13 @@ JSMLA_DEVICE void ldmatrix_x4_trans(uint32_t (&r)[4], const void* shared) {
                : "r"(shared_address(shared)));
 }
 
+// Two 8x8 b16 matrices, transposed; lanes 0-15 give the row addresses (matrix i/8, row i%8).
+JSMLA_DEVICE void ldmatrix_x2_trans(uint32_t (&r)[2], const void* shared) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(shared_address(shared)));
+}
+
 // c += a(16x16, row-major bf16) * b(16x8, column-major bf16), fp32 accumulators.
 JSMLA_DEVICE void mma_bf16_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(

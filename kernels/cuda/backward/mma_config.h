@@ -72,14 +72,18 @@ struct BackwardMmaConfig {
   static_assert(kThreads == 256 && kDqTiles * 4 <= 144, "the d_q accumulators must fit the register budget");
 
   // The partials kernel (a bf16 cache's gradient): block = (token, half of d_qk's columns), 8 warps in a
-  // 4 × 2 grid over 64 candidate positions × the half's columns; the products' k-dimension is the heads
+  // 2 × 4 grid over 64 candidate positions × the half's columns (a warp: 32 positions, two m16 blocks, ×
+  // a quarter of the columns, so each B fragment serves two MMAs); the products' k-dimension is the heads
   // twice over (c against q, then P against dO), padded to 16, at most 2 × kMaxHeads. Two A buffers: the
   // next tile's copies overlap this tile's products.
   struct Partials {
     static constexpr int kTile = BackwardWorkspace::kPositionPitchGranule;  // candidate positions per step
     static constexpr int kSpan = kDqk / 2;                                  // columns per block
-    static constexpr int kColumnsPerWarp = kSpan / 2;
-    static constexpr int kTiles = kColumnsPerWarp / 8;                      // n8 tiles (accumulators / 4)
+    static constexpr int kPositionWarps = 2;
+    static constexpr int kColumnWarps = 4;
+    static constexpr int kRowBlocks = kTile / kPositionWarps / 16;          // m16 blocks of a warp
+    static constexpr int kColumnsPerWarp = kSpan / kColumnWarps;
+    static constexpr int kTiles = kColumnsPerWarp / 8;                      // n8 tiles of a warp
     static constexpr int kRows = 2 * kMaxHeads;                             // k: q's heads, then dO's
     static constexpr int kBPitch = kSpan + 8;
     static constexpr int kAPitch = kTile + 8;
@@ -88,13 +92,15 @@ struct BackwardMmaConfig {
       uint16_t a[2][kRows][kAPitch];  // c, then P, of a tile's positions: this tile's and the next's
     };
     static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedMemory));
-    static_assert(kTile == 16 * 4, "four m16 row blocks of positions");
-    static_assert(kSpan % 16 == 0 && kTiles % 2 == 0, "B fragments are loaded for pairs of n8 tiles");
+    static_assert(kPositionWarps * kColumnWarps * 32 == kThreads, "every warp takes one block of the grid");
+    static_assert(kRowBlocks * 16 * kPositionWarps == kTile, "whole m16 blocks of positions per warp");
+    static_assert(kColumnsPerWarp % 8 == 0 && (kColumnsPerWarp * 2) % 16 == 0,
+                  "whole n8 tiles per warp, 16-byte aligned ldmatrix rows");
     static_assert((kBPitch * 2) % 16 == 0 && ((kBPitch * 2) / 16) % 2 == 1 && (kAPitch * 2) % 16 == 0 &&
                       ((kAPitch * 2) / 16) % 2 == 1,
                   "ldmatrix rows must be 16-byte aligned and spread over the bank groups");
     static_assert(kSharedBytes <= kMaxSharedBytes, "the partials kernel's shared memory exceeds 227 KB");
-    static_assert(kTiles * 4 <= 96, "the accumulators must leave registers for the fragments");
+    static_assert(kRowBlocks * kTiles * 4 <= 96, "the accumulators must leave registers for the fragments");
   };
 };
 

@@ -313,10 +313,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) cache_partials_kernel(const 
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int group = warp % 4;  // positions [16 group, 16 group + 16) of the tile
-  const int half = warp / 4;   // columns [half · kColumnsPerWarp, ...) of the block's span
-  const uint16_t* const a_lane = &smem.a[0][lane % 8 + 8 * (lane / 16)][16 * group + 8 * ((lane / 8) % 2)];
-  const uint16_t* const b_lane = &smem.b[lane % 8 + ((lane / 8) % 2) * 8][half * Shape::kColumnsPerWarp + (lane / 16) * 8];
+  const int group = warp % Shape::kPositionWarps;    // positions [32 group, 32 group + 32) of the tile
+  const int quarter = warp / Shape::kPositionWarps;  // columns [quarter · kColumnsPerWarp, ...) of the span
+  constexpr int kGroupPositions = 16 * Shape::kRowBlocks;
+  const uint16_t* const a_lane =
+      &smem.a[0][lane % 8 + 8 * (lane / 16)][kGroupPositions * group + 8 * ((lane / 8) % 2)];
+  const uint16_t* const b_lane =
+      &smem.b[lane % 8 + ((lane / 8) % 2) * 8][quarter * Shape::kColumnsPerWarp + (lane / 16) * 8];
   const int k_steps = 2 * padded_heads / 16;
   const int32_t length = a.main.row_length(token);
   const int64_t chunk_rows = chunk_token * num_heads;
@@ -353,32 +356,49 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) cache_partials_kernel(const 
     }
     __syncthreads();  // A (and, the first time, B) landed for every thread
 
-    float acc[Shape::kTiles][4];
+    float acc[Shape::kRowBlocks][Shape::kTiles][4];
 #pragma unroll
-    for (int i = 0; i < Shape::kTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int m = 0; m < Shape::kRowBlocks; ++m) {
+#pragma unroll
+      for (int i = 0; i < Shape::kTiles; ++i) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.0f;
+    }
     const uint16_t* const a_tile = a_lane + buffer * (Shape::kRows * Shape::kAPitch);
     for (int ks = 0; ks < k_steps; ++ks) {
-      uint32_t a_fragment[4];
-      ldmatrix_x4_trans(a_fragment, a_tile + 16 * ks * Shape::kAPitch);
+      uint32_t a_fragment[Shape::kRowBlocks][4];
+#pragma unroll
+      for (int m = 0; m < Shape::kRowBlocks; ++m) ldmatrix_x4_trans(a_fragment[m], a_tile + 16 * ks * Shape::kAPitch + 16 * m);
+      const uint16_t* const b_step = b_lane + 16 * ks * Shape::kBPitch;
 #pragma unroll
       for (int pair = 0; pair < Shape::kTiles / 2; ++pair) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, b_lane + 16 * ks * Shape::kBPitch + pair * 16);
-        mma_bf16_16816(acc[2 * pair], a_fragment, b[0], b[1]);
-        mma_bf16_16816(acc[2 * pair + 1], a_fragment, b[2], b[3]);
+        ldmatrix_x4_trans(b, b_step + pair * 16);
+#pragma unroll
+        for (int m = 0; m < Shape::kRowBlocks; ++m) {
+          mma_bf16_16816(acc[m][2 * pair], a_fragment[m], b[0], b[1]);
+          mma_bf16_16816(acc[m][2 * pair + 1], a_fragment[m], b[2], b[3]);
+        }
+      }
+      if constexpr (Shape::kTiles % 2 == 1) {  // the last n8 tile alone
+        uint32_t b[2];
+        ldmatrix_x2_trans(b, b_step + (Shape::kTiles - 1) * 8);
+#pragma unroll
+        for (int m = 0; m < Shape::kRowBlocks; ++m) mma_bf16_16816(acc[m][Shape::kTiles - 1], a_fragment[m], b[0], b[1]);
       }
     }
 
     // Each position's partial row, rounded once to bf16 (kPartialBytes).
-    const int32_t position_a = first + 16 * group + lane / 4;
-    const int32_t position_b = position_a + 8;
-    const int column = column0 + half * Shape::kColumnsPerWarp + 2 * (lane % 4);
-    uint16_t* const row_a = launch.partials + (chunk_token * a.main.topk + position_a) * Cfg::kDqk + column;
-    uint16_t* const row_b = launch.partials + (chunk_token * a.main.topk + position_b) * Cfg::kDqk + column;
+    const int column = column0 + quarter * Shape::kColumnsPerWarp + 2 * (lane % 4);
 #pragma unroll
-    for (int i = 0; i < Shape::kTiles; ++i) {
-      if (position_a < length) *reinterpret_cast<uint32_t*>(row_a + 8 * i) = pack_bf16x2(acc[i][0], acc[i][1]);
-      if (position_b < length) *reinterpret_cast<uint32_t*>(row_b + 8 * i) = pack_bf16x2(acc[i][2], acc[i][3]);
+    for (int m = 0; m < Shape::kRowBlocks; ++m) {
+      const int32_t position_a = first + kGroupPositions * group + 16 * m + lane / 4;
+      const int32_t position_b = position_a + 8;
+      uint16_t* const row_a = launch.partials + (chunk_token * a.main.topk + position_a) * Cfg::kDqk + column;
+      uint16_t* const row_b = launch.partials + (chunk_token * a.main.topk + position_b) * Cfg::kDqk + column;
+#pragma unroll
+      for (int i = 0; i < Shape::kTiles; ++i) {
+        if (position_a < length) *reinterpret_cast<uint32_t*>(row_a + 8 * i) = pack_bf16x2(acc[m][i][0], acc[m][i][1]);
+        if (position_b < length) *reinterpret_cast<uint32_t*>(row_b + 8 * i) = pack_bf16x2(acc[m][i][2], acc[m][i][3]);
+      }
     }
     __syncthreads();  // this buffer is no longer read: the tile after next may land in it
   }
