@@ -23,7 +23,8 @@
 #   bash benchmarks/gpu_session.sh backward       # build + the backward's GPU tests + memcheck over their
 #                                                 # sanitize tests + bench_backward.py's H200 rows
 #                                                 # (JSMLA_BACKWARD_TESTS=0: the rows only, of the formats
-#                                                 # JSMLA_BACKWARD_FORMATS and the T of JSMLA_BACKWARD_TOKENS)
+#                                                 # JSMLA_BACKWARD_FORMATS and the T of JSMLA_BACKWARD_TOKENS;
+#                                                 # XLA timed up to JSMLA_BACKWARD_XLA_MAX_TOKENS, 1024)
 #   bash benchmarks/gpu_session.sh backward_profile
 #                                                 # build + ncu per-kernel times of one jitted jax.grad step
 #                                                 # (bf16_576 T=1024 H=128: q, q + cache; dsv3_2: q;
@@ -109,12 +110,15 @@ case "$mode" in
       echo "memcheck (backward): $(grep -E "ERROR SUMMARY" "$out/sanitizer_memcheck_backward.log" | sort | uniq -c | tr '\n' ' ')"
       grep -E "passed|failed" "$out/sanitizer_memcheck_backward.log" | tail -1
     fi
-    # Each row compiles XLA's reference twice (13-20 s a jit at T = 1024): the rows go out on stderr as
-    # they complete, so a run cut short by the timeout still reports the rows it finished.
+    # Each row compiles XLA's reference twice (13-20 s a jit at T = 1024): the rows go out on stderr and
+    # into the results files as they complete, so a run cut short by the timeout keeps the rows it
+    # finished. XLA's autodiff of the reference is timed up to JSMLA_BACKWARD_XLA_MAX_TOKENS tokens (1024;
+    # 0: every row): above that it needs more than an H200's memory, which takes minutes to find out.
     timeout "${JSMLA_BENCH_TIMEOUT:-420}" python3 "$repo/benchmarks/bench_backward.py" \
       --formats "${JSMLA_BACKWARD_FORMATS:-bf16_576,dsv3_2}" --tokens "${JSMLA_BACKWARD_TOKENS:-1024,4096}" \
       --heads 128 --topk 2048 --cache_tokens 65536 --cache_gradient both --repeats 3 \
-      --check_tokens 128 --out_dir "$out" > "$out/bench_backward.log" 2> "$out/bench_backward.err" || status=1
+      --check_tokens 128 --xla_max_tokens "${JSMLA_BACKWARD_XLA_MAX_TOKENS:-1024}" \
+      --out_dir "$out" > "$out/bench_backward.log" 2> "$out/bench_backward.err" || status=1
     grep -E "^\|" "$out/bench_backward.err" | tail -12
     ;;
   backward_profile)

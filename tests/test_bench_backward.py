@@ -72,3 +72,22 @@ def test_backward_benchmark_side_by_side_of_two_runs(tmp_path):
     assert cells[5].endswith("(1.00)")
     ratio = variant["auto_forward_backward_ms"] / rows[0]["auto_forward_backward_ms"]
     assert cells[6] == f"{variant['auto_forward_backward_ms']:.2f} ({ratio:.2f})"
+
+
+def test_backward_benchmark_xla_max_tokens_and_rows_kept_when_a_run_stops(tmp_path):
+    """--xla_max_tokens: XLA is timed only on rows of at most that many tokens (the others read "not timed",
+    their gradients still compared on the check sub-problem); the results files are rewritten after every
+    row, so a run that stops on a later row (here an unknown format) keeps the rows it finished."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_backward.py"), "--tokens", "2,4", "--heads", "3",
+         "--topk", "16", "--cache_tokens", "256", "--repeats", "1", "--formats", "dsv3_2,no_such_format",
+         "--xla_max_tokens", "2", "--check_tokens", "2", "--out_dir", str(tmp_path)],
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode != 0 and "no_such_format" in proc.stderr, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_backward.json").read_text())["rows"]
+    assert [(r["format"], r["tokens"]) for r in rows] == [("dsv3_2", 2), ("dsv3_2", 4)]
+    assert rows[0]["xla_forward_backward_ms"] > 0 and rows[0]["speedup"] > 0
+    assert rows[1]["xla_forward_ms"] == rows[1]["xla_forward_backward_ms"] == "not timed"
+    assert rows[1]["auto_forward_backward_ms"] > 0
+    assert all(0 <= r["max_gradient_difference"]["q"] <= 2e-2 for r in rows)
+    assert "| dsv3_2 | 4 | 3 | 16 |" in (tmp_path / "bench_backward.md").read_text()
