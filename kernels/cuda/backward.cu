@@ -24,6 +24,8 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/common/cache_view.h"
 #include "kernels/common/numeric.h"
@@ -32,6 +34,7 @@
 #include "kernels/cuda/kernel_list.h"
 #include "kernels/cuda/kernel_table.h"
 #include "kernels/cuda/launch_params.h"
+#include "kernels/cuda/registry.h"
 
 namespace jsmla::cuda {
 namespace {
@@ -445,6 +448,13 @@ __global__ void __launch_bounds__(32 * kRowWarps) cache_sum_kernel(const __grid_
   }
 }
 
+// JSMLA_BACKWARD_PARTIALS=wgmma: the cache gradient's partial rows from the wgmma kernel
+// (partials_wgmma.cuh) instead of the mma.sync one, for its first measurements.
+bool wgmma_partials_requested_by_environment() {
+  const char* value = std::getenv("JSMLA_BACKWARD_PARTIALS");
+  return value != nullptr && std::strcmp(value, "wgmma") == 0;
+}
+
 int key_bits(uint64_t largest_key) {
   int bits = 1;
   while (bits < 64 && (largest_key >> bits) != 0) ++bits;
@@ -539,6 +549,13 @@ cudaError_t launch_backward(const FormatTraits& main, const FormatTraits& extra,
   chunk.coefficients = static_cast<uint16_t*>(at(parts.coefficients));
   chunk.partials = static_cast<uint16_t*>(at(parts.partials));
   chunk.position_pitch = BackwardWorkspace::position_pitch(a.main.topk);
+  int device = 0, major = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); e != cudaSuccess) return e;
+  // The wgmma partials take k = 2 · 128 rows whatever H (partials_wgmma.cuh): above 64 heads only. Not
+  // yet run on a GPU: used only with JSMLA_BACKWARD_PARTIALS=wgmma in the environment (read once).
+  static const bool wgmma_requested = wgmma_partials_requested_by_environment();
+  chunk.wgmma_partials = wgmma_requested && major == 9 && hopper_compiled() && a.num_heads > 64;
   CacheSumLaunch sum{cache, chunk.partials, static_cast<float*>(at(parts.accumulator)), 0, 0, true, false};
   for (int64_t first = 0; first < a.num_tokens; first += parts.chunk_tokens) {
     chunk.first_token = first;

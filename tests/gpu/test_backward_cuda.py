@@ -73,7 +73,7 @@ def test_cuda_backward_every_format_sanitize(rng, key):
 
 
 @gpu
-@pytest.mark.parametrize("key", ["dsv3_2", "bf16_576"])
+@pytest.mark.parametrize("key", ["dsv3_2", "bf16_576", "bf16_512"])
 def test_cuda_backward_many_heads_and_candidates(rng, key):
     """128 heads (32 blocks of four per token), 2048 candidates (256 chunks), lengths."""
     case = cases.make_case(rng, key, num_tokens=3, num_heads=128, topk=2048, attn_sink=rng.standard_normal(128),
@@ -217,6 +217,20 @@ def test_cuda_backward_simt_kernels_in_a_subprocess(tmp_path):
     GPU otherwise leaves to other devices: this file's format, edge-case and cache-gradient tests on them."""
     env = dict(os.environ, JSMLA_CUDA_FAMILY="portable")
     selection = "every_format or empty_rows or tensor_core_tiles or shared_and_unreferenced or lse_alone"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
+                             selection, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+@gpu
+@pytest.mark.skipif(os.environ.get("JSMLA_CUDA_FAMILY") == "portable", reason="no tensor-core backward")
+def test_cuda_cache_gradient_wgmma_partials_in_a_subprocess(tmp_path):
+    """JSMLA_BACKWARD_PARTIALS=wgmma (read once per process): the cache gradient's partial rows of more than
+    64 heads from the wgmma kernel; this file's many-head, lse-alone and chunked cache-gradient tests on it
+    (each against the oracle, reproducible bit for bit, chunked equal to whole)."""
+    env = dict(os.environ, JSMLA_BACKWARD_PARTIALS="wgmma")
+    selection = "many_heads or lse_alone or chunks_of_tokens"
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
                              selection, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

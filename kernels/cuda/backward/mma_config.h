@@ -102,6 +102,37 @@ struct BackwardMmaConfig {
     static_assert(kSharedBytes <= kMaxSharedBytes, "the partials kernel's shared memory exceeds 227 KB");
     static_assert(kRowBlocks * kTiles * 4 <= 96, "the accumulators must leave registers for the fragments");
   };
+
+  // The partials kernel on wgmma (sm_90a; partials_wgmma.cuh): block = (token, kColumns of d_qk's
+  // columns), two warpgroups, each taking every other 64-position tile (wgmma M = 64 positions, N =
+  // kColumns, k = the heads twice over, as above). Both operands sit in shared memory MN-major in the
+  // 128-byte swizzled layout (64-element blocks of 128-byte rows, one row per k): B = q then dO of the
+  // token's heads (the block's columns), loaded once; A = c then P of a tile's 64 positions, two buffers
+  // per warpgroup (the next tile's copies overlap this tile's wgmmas).
+  struct PartialsWgmma {
+    static constexpr int kTile = 64;                             // positions per warpgroup step
+    static constexpr int kGroups = 2;                            // warpgroups
+    static constexpr int kThreads = 128 * kGroups;
+    static constexpr int kColumns = kDqk % 192 == 0 ? 192 : 128;  // wgmma N
+    static constexpr int kColumnBlocks = kDqk / kColumns;         // blocks per token
+    static constexpr int kRows = 2 * kMaxHeads;                   // k rows: q's heads, then dO's
+    static constexpr int kAtomBytes = 128;                        // one swizzled row: 64 BF16 values
+    static constexpr int kBlockBytes = kRows * kAtomBytes;        // one 64-element block of an operand
+    static constexpr int kAccumulators = kColumns / 2;            // FP32 a thread (m64nN / 128 threads)
+    struct SharedMemory {
+      alignas(1024) uint8_t b[kColumns / 64][kRows][kAtomBytes];
+      alignas(1024) uint8_t a[kGroups][2][kRows][kAtomBytes];
+    };
+    // The dynamic shared memory is aligned to 1024 bytes by hand (up to 1008 bytes of padding).
+    static constexpr int kSharedBytes = static_cast<int>(sizeof(SharedMemory)) + 1024;
+    static_assert(kDqk % kColumns == 0 && kColumns % 64 == 0, "whole 64-column swizzle blocks per block");
+    static_assert(kTile == 64, "one wgmma M (64 positions) per warpgroup step, one swizzle block of A");
+    static_assert(kBlockBytes % 1024 == 0, "128-byte swizzled operands start on 1024-byte boundaries");
+    static_assert(BackwardWorkspace::kPositionPitchGranule % kTile == 0,
+                  "positions are padded to whole tiles: a tile never reads past a row's position pitch");
+    static_assert(kSharedBytes <= kMaxSharedBytes, "the wgmma partials kernel's shared memory exceeds 227 KB");
+    static_assert(kAccumulators == 64 || kAccumulators == 96, "the wgmma shapes written: m64n128, m64n192");
+  };
 };
 
 }  // namespace jsmla::cuda::backward

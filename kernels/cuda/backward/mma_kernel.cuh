@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/backward/mma_config.h"
+#include "kernels/cuda/backward/partials_wgmma.cuh"
 #include "kernels/cuda/candidate_tiles.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/launch_utils.h"
@@ -423,6 +424,17 @@ cudaError_t launch_backward_mma(const BackwardMmaLaunch& launch, cudaStream_t st
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSharedBytes, stream>>>(launch);
   if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
   if constexpr (Cfg::kF.layout == Layout::kBf16) {  // only a bf16 cache has a gradient
+    if (launch.partials != nullptr && launch.wgmma_partials) {
+      using Shape = typename Cfg::PartialsWgmma;
+      static DeviceOnce wgmma_raised;
+      auto* partials = &cache_partials_wgmma_kernel<Cfg>;
+      if (const cudaError_t error = allow_shared_bytes(partials, Shape::kSharedBytes, wgmma_raised); error != cudaSuccess) {
+        return error;
+      }
+      partials<<<static_cast<unsigned>(Shape::kColumnBlocks * launch.chunk_tokens), Shape::kThreads, Shape::kSharedBytes,
+                 stream>>>(launch);
+      return cudaGetLastError();
+    }
     if (launch.partials != nullptr) {
       static DeviceOnce partials_raised;
       auto* partials = &cache_partials_kernel<Cfg>;

@@ -23,6 +23,8 @@ struct BackwardMmaLaunch {
   uint16_t* coefficients = nullptr;  // c (bf16)
   uint16_t* partials = nullptr;      // bf16
   int64_t position_pitch = 0;
+  // The partials on wgmma (partials_wgmma.cuh): an sm_90 device and a build with sm_90a code.
+  bool wgmma_partials = false;
 };
 
 // Whether the tensor-core kernel's tiling holds a format's rows: d_qk of 512 or 576 lanes (whole 64-lane
@@ -35,7 +37,8 @@ constexpr bool mma_backward_serves(const FormatTraits& f) {
 }
 
 // Launches the instance of format `Cfg::kFormat` over chunk_tokens × ceil(H / 64) blocks, then (with
-// partials) the partials kernel over chunk_tokens × 2 blocks; never an empty grid (chunk_tokens > 0).
+// partials) the partials kernel (on wgmma: chunk_tokens × d_qk / 192 or / 128 blocks; otherwise
+// chunk_tokens × 2); never an empty grid (chunk_tokens > 0).
 template <class Cfg>
 cudaError_t launch_backward_mma(const BackwardMmaLaunch& launch, cudaStream_t stream);
 

@@ -167,4 +167,34 @@ JSMLA_DEVICE void wgmma_m64n128k16_ss(float (&d)[64], SmemDescriptor a, SmemDesc
       : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(1));
 }
 
+// d[64xN] (+)= A[64x16] · B[16xN] with both operands in shared memory MN-major (transposed: A's 64 rows
+// and B's N columns contiguous, 128-byte swizzled), BF16 in, FP32 accumulators; N = 128 or 192 (64 or 96
+// accumulators a thread). The cache gradient's partial rows (backward/partials_wgmma.cuh).
+#define JSMLA_WGMMA_REGISTERS_64_95 \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+JSMLA_DEVICE void wgmma_m64n192k16_ss_mn(float (&d)[96], SmemDescriptor a, SmemDescriptor b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %100, 0;\nmov.b64 da, {%96, %97};\nmov.b64 db, {%98, %99};\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" JSMLA_WGMMA_REGISTERS_0_63 ", " JSMLA_WGMMA_REGISTERS_64_95
+      "}, da, db, p, 1, 1, 1, 1;\n}\n"
+      : JSMLA_WGMMA_D64_AT(d, 0), JSMLA_WGMMA_D8(d, 64), JSMLA_WGMMA_D8(d, 72), JSMLA_WGMMA_D8(d, 80), JSMLA_WGMMA_D8(d, 88)
+      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(accumulate));
+}
+JSMLA_DEVICE void wgmma_m64n128k16_ss_mn(float (&d)[64], SmemDescriptor a, SmemDescriptor b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %68, 0;\nmov.b64 da, {%64, %65};\nmov.b64 db, {%66, %67};\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " JSMLA_WGMMA_D64_REGISTERS ", da, db, p, 1, 1, 1, 1;\n}\n"
+      : JSMLA_WGMMA_D64(d)
+      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(accumulate));
+}
+template <int kCount>
+JSMLA_DEVICE void wgmma_ss_mn(float (&d)[kCount], SmemDescriptor a, SmemDescriptor b, int accumulate) {
+  static_assert(kCount == 64 || kCount == 96, "N = 128 or 192 columns");
+  if constexpr (kCount == 96) {
+    wgmma_m64n192k16_ss_mn(d, a, b, accumulate);
+  } else {
+    wgmma_m64n128k16_ss_mn(d, a, b, accumulate);
+  }
+}
+
 }  // namespace jsmla::cuda::hopper
