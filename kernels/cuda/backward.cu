@@ -448,11 +448,19 @@ __global__ void __launch_bounds__(32 * kRowWarps) cache_sum_kernel(const __grid_
   }
 }
 
-// JSMLA_BACKWARD_PARTIALS=wgmma: the cache gradient's partial rows from the wgmma kernel
-// (partials_wgmma.cuh) instead of the mma.sync one, for its first measurements.
-bool wgmma_partials_requested_by_environment() {
-  const char* value = std::getenv("JSMLA_BACKWARD_PARTIALS");
-  return value != nullptr && std::strcmp(value, "wgmma") == 0;
+// Whether the cache gradient's partial rows come from the wgmma kernel (partials_wgmma.cuh) instead of
+// the mma.sync one. Not yet run on a GPU: only with JSMLA_BACKWARD_PARTIALS=wgmma in the environment
+// (read once per process), above 64 heads (it takes k = 2 · 128 rows whatever H), on an sm_90 device
+// with a build that carries sm_90a code. The device is queried only when the variable asks for it.
+bool use_wgmma_partials(const AttentionParams& a) {
+  static const bool requested = [] {
+    const char* value = std::getenv("JSMLA_BACKWARD_PARTIALS");
+    return value != nullptr && std::strcmp(value, "wgmma") == 0;
+  }();
+  if (!requested || a.num_heads <= 64 || !hopper_compiled()) return false;
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
 }
 
 int key_bits(uint64_t largest_key) {
@@ -549,13 +557,7 @@ cudaError_t launch_backward(const FormatTraits& main, const FormatTraits& extra,
   chunk.coefficients = static_cast<uint16_t*>(at(parts.coefficients));
   chunk.partials = static_cast<uint16_t*>(at(parts.partials));
   chunk.position_pitch = BackwardWorkspace::position_pitch(a.main.topk);
-  int device = 0, major = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device); e != cudaSuccess) return e;
-  // The wgmma partials take k = 2 · 128 rows whatever H (partials_wgmma.cuh): above 64 heads only. Not
-  // yet run on a GPU: used only with JSMLA_BACKWARD_PARTIALS=wgmma in the environment (read once).
-  static const bool wgmma_requested = wgmma_partials_requested_by_environment();
-  chunk.wgmma_partials = wgmma_requested && major == 9 && hopper_compiled() && a.num_heads > 64;
+  chunk.wgmma_partials = use_wgmma_partials(a);
   CacheSumLaunch sum{cache, chunk.partials, static_cast<float*>(at(parts.accumulator)), 0, 0, true, false};
   for (int64_t first = 0; first < a.num_tokens; first += parts.chunk_tokens) {
     chunk.first_token = first;

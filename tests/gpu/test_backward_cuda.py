@@ -215,12 +215,8 @@ def test_cuda_cache_gradient_in_chunks_of_tokens_sanitize(rng, monkeypatch):
 def test_cuda_backward_simt_kernels_in_a_subprocess(tmp_path):
     """JSMLA_CUDA_FAMILY=portable (read once per process) keeps the backward on the SIMT kernels an sm_90
     GPU otherwise leaves to other devices: this file's format, edge-case and cache-gradient tests on them."""
-    env = dict(os.environ, JSMLA_CUDA_FAMILY="portable")
-    selection = "every_format or empty_rows or tensor_core_tiles or shared_and_unreferenced or lse_alone"
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
-                             selection, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout
+    _run_this_file(tmp_path, "every_format or empty_rows or tensor_core_tiles or shared_and_unreferenced or lse_alone",
+                   JSMLA_CUDA_FAMILY="portable")
 
 
 @gpu
@@ -229,9 +225,14 @@ def test_cuda_cache_gradient_wgmma_partials_in_a_subprocess(tmp_path):
     """JSMLA_BACKWARD_PARTIALS=wgmma (read once per process): the cache gradient's partial rows of more than
     64 heads from the wgmma kernel; this file's many-head, lse-alone and chunked cache-gradient tests on it
     (each against the oracle, reproducible bit for bit, chunked equal to whole)."""
-    env = dict(os.environ, JSMLA_BACKWARD_PARTIALS="wgmma")
-    selection = "many_heads or lse_alone or chunks_of_tokens"
+    _run_this_file(tmp_path, "many_heads or lse_alone or chunks_of_tokens", JSMLA_BACKWARD_PARTIALS="wgmma")
+
+
+def _run_this_file(tmp_path, selection, **variables):
+    """Runs this file's GPU tests matching `selection` in a child process with `variables` in its environment
+    (the kernels read them once per process); every selected test must pass."""
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-k",
-                             selection, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                             selection, __file__], env=dict(os.environ, **variables), capture_output=True, text=True,
+                            timeout=900, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
