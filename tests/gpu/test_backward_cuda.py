@@ -221,11 +221,12 @@ def test_cuda_backward_simt_kernels_in_a_subprocess(tmp_path):
 
 @gpu
 @pytest.mark.skipif(os.environ.get("JSMLA_CUDA_FAMILY") == "portable", reason="no tensor-core backward")
-def test_cuda_cache_gradient_wgmma_partials_in_a_subprocess(tmp_path):
-    """JSMLA_BACKWARD_PARTIALS=wgmma (read once per process): the cache gradient's partial rows of more than
-    64 heads from the wgmma kernel; this file's many-head, lse-alone and chunked cache-gradient tests on it
-    (each against the oracle, reproducible bit for bit, chunked equal to whole)."""
-    _run_this_file(tmp_path, "many_heads or lse_alone or chunks_of_tokens", JSMLA_BACKWARD_PARTIALS="wgmma")
+def test_cuda_cache_gradient_mma_partials_in_a_subprocess(tmp_path):
+    """JSMLA_BACKWARD_PARTIALS=mma (read once per process): the cache gradient's partial rows of more than
+    64 heads from the mma.sync kernel instead of the default wgmma one on sm_90; this file's many-head,
+    lse-alone and chunked cache-gradient tests on it (each against the oracle, reproducible bit for bit,
+    chunked equal to whole)."""
+    _run_this_file(tmp_path, "many_heads or lse_alone or chunks_of_tokens", JSMLA_BACKWARD_PARTIALS="mma")
 
 
 def _run_this_file(tmp_path, selection, **variables):

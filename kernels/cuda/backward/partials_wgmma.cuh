@@ -24,6 +24,24 @@ namespace jsmla::cuda::backward {
 // 128-byte swizzled rows (unit u of row r sits at u ^ (r % 8)).
 JSMLA_DEVICE int swizzled_unit(int row, int unit) { return row * 128 + ((unit ^ (row % 8)) * 16); }
 
+// In a quad of lanes (q = lane % 4) holding v[k] = element (q, k) of a 4 × 4 matrix, leaves v[k] =
+// element (k, q): swaps the off-diagonal 2 × 2 blocks (xor 2), then the off-diagonal elements of each
+// block (xor 1), each stage two shuffles with lane-selected operands (no dynamically indexed registers).
+JSMLA_DEVICE void quad_transpose(uint32_t (&v)[4], int quad_lane) {
+  const bool high = quad_lane & 2;
+#pragma unroll
+  for (int o = 0; o < 2; ++o) {  // positions whose high bit differs from the lane's
+    const uint32_t received = __shfl_xor_sync(0xffffffffu, high ? v[o] : v[2 + o], 2);
+    if (high) v[o] = received; else v[2 + o] = received;
+  }
+  const bool low = quad_lane & 1;
+#pragma unroll
+  for (int o = 0; o < 2; ++o) {  // positions whose low bit differs from the lane's
+    const uint32_t received = __shfl_xor_sync(0xffffffffu, low ? v[2 * o] : v[2 * o + 1], 1);
+    if (low) v[2 * o] = received; else v[2 * o + 1] = received;
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::PartialsWgmma::kThreads, 1)
     cache_partials_wgmma_kernel(const __grid_constant__ BackwardMmaLaunch launch) {
@@ -70,16 +88,31 @@ __global__ void __launch_bounds__(Cfg::PartialsWgmma::kThreads, 1)
   const int32_t length = a.main.row_length(token);
   const int64_t chunk_rows = chunk_token * num_heads;
   // A of the tile at `first` into this warpgroup's buffer `buffer`: row r < Hp is c of head r, row
-  // Hp + r its P; positions [first, first + 64), eight 16-byte units a row.
+  // Hp + r its P; positions [first, first + 64), eight 16-byte units a row. A thread copies the units
+  // thread + 128·i; which of its rows belong to heads with weight is read from lse once per block.
+  constexpr int kAUnits = rows * 8 / 128;  // 16-byte units a thread copies per tile
+  static_assert(rows * 8 % 128 == 0 && kAUnits <= 32, "a thread's units of a tile fit one 32-bit mask");
+  auto a_unit = [&](int i, int& r, int& u) {
+    r = (thread + 128 * i) / 8;
+    u = (thread + 128 * i) % 8;
+  };
+  uint32_t active_units = 0;
+#pragma unroll
+  for (int i = 0; i < kAUnits; ++i) {
+    int r, u;
+    a_unit(i, r, u);
+    if (head_active(r < padded_heads ? r : r - padded_heads)) active_units |= 1u << i;
+  }
   auto load_a = [&](int32_t first, int buffer) {
     uint8_t* const base = &smem.a[group][buffer][0][0];
-    for (int i = thread; i < rows * 8; i += 128) {
-      const int r = i / 8;
-      const int u = i % 8;
+#pragma unroll
+    for (int i = 0; i < kAUnits; ++i) {
+      int r, u;
+      a_unit(i, r, u);
       const bool is_c = r < padded_heads;
       const int h = is_c ? r : r - padded_heads;
       uint8_t* to = base + swizzled_unit(r, u);
-      if (head_active(h)) {
+      if (active_units >> i & 1) {
         cp_async_16(to, (is_c ? launch.coefficients : launch.weights) + (chunk_rows + h) * launch.position_pitch +
                             first + 8 * u);
       } else {
@@ -123,17 +156,29 @@ __global__ void __launch_bounds__(Cfg::PartialsWgmma::kThreads, 1)
     fence_registers(acc);
     named_barrier_sync(1 + group, 128);  // every warp's wgmmas done: this buffer may take the tile after next
 
-    // Each position's partial row, rounded once to bf16 (kPartialBytes): thread rows 16·warp + lane/4 and
-    // + 8, columns 8j + 2·(lane % 4) of the accumulators' m64nN layout.
+    // Each position's partial row, rounded once to bf16 (kPartialBytes). The m64nN accumulators give a
+    // thread rows 16·warp + lane/4 and + 8, columns 8j + 2·(lane % 4); a 4 × 4 transpose within each quad
+    // of lanes (two xor-shuffle stages) hands lane q of the quad the eight columns of j = 4g + q, so every
+    // store is 16 bytes and a quad writes 64 contiguous bytes of a row.
     const int32_t position_a = first + 16 * warp + lane / 4;
     const int32_t position_b = position_a + 8;
-    const int column = column0 + 2 * (lane % 4);
-    uint16_t* const row_a = launch.partials + (chunk_token * a.main.topk + position_a) * Cfg::kDqk + column;
-    uint16_t* const row_b = launch.partials + (chunk_token * a.main.topk + position_b) * Cfg::kDqk + column;
+    const int quad_lane = lane % 4;
+    uint16_t* const row_a = launch.partials + (chunk_token * a.main.topk + position_a) * Cfg::kDqk + column0;
+    uint16_t* const row_b = launch.partials + (chunk_token * a.main.topk + position_b) * Cfg::kDqk + column0;
+    static_assert(Shape::kColumns % 32 == 0, "whole quads of 8-column groups per block");
 #pragma unroll
-    for (int j = 0; j < Shape::kColumns / 8; ++j) {
-      if (position_a < length) *reinterpret_cast<uint32_t*>(row_a + 8 * j) = pack_bf16x2(acc[4 * j], acc[4 * j + 1]);
-      if (position_b < length) *reinterpret_cast<uint32_t*>(row_b + 8 * j) = pack_bf16x2(acc[4 * j + 2], acc[4 * j + 3]);
+    for (int g = 0; g < Shape::kColumns / 32; ++g) {
+      uint32_t va[4], vb[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        va[k] = pack_bf16x2(acc[4 * (4 * g + k)], acc[4 * (4 * g + k) + 1]);
+        vb[k] = pack_bf16x2(acc[4 * (4 * g + k) + 2], acc[4 * (4 * g + k) + 3]);
+      }
+      quad_transpose(va, quad_lane);
+      quad_transpose(vb, quad_lane);
+      const int column = 8 * (4 * g + quad_lane);
+      if (position_a < length) *reinterpret_cast<uint4*>(row_a + column) = make_uint4(va[0], va[1], va[2], va[3]);
+      if (position_b < length) *reinterpret_cast<uint4*>(row_b + column) = make_uint4(vb[0], vb[1], vb[2], vb[3]);
     }
   }
   cp_async_wait_all();  // nothing stays in flight past the block's end
