@@ -6,7 +6,7 @@
 # forward+backward time relative to the first tree's (the baseline).
 #
 #   bash benchmarks/ab_backward.sh .ab/main .ab/variant ...
-#   bash benchmarks/ab_backward.sh . .:JSMLA_BACKWARD_PARTIALS=wgmma   # one tree, with and without a variable
+#   bash benchmarks/ab_backward.sh . .:JSMLA_BACKWARD_PARTIALS=mma   # one tree, with and without a variable
 #
 # A tree given as `path:VAR=VALUE` runs with that variable in the environment (its tests and benchmark),
 # named `<tree>_<VALUE>`; a tree already built by the argument before it is not built again.
