@@ -23,7 +23,6 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -452,23 +451,16 @@ __global__ void __launch_bounds__(32 * kRowWarps) cache_sum_kernel(const __grid_
 // Whether the cache gradient's partial rows come from the wgmma kernel (partials_wgmma.cuh) instead of
 // the mma.sync one: above 64 heads (it takes k = 2 · 128 rows whatever H) on an sm_90 device with a build
 // that carries sm_90a code. JSMLA_BACKWARD_PARTIALS=mma in the environment (read once per process) keeps
-// the mma.sync kernel there, for comparisons. The device's compute capability is queried once per device.
+// the mma.sync kernel there, for comparisons (any other value: the default).
 bool use_wgmma_partials(const AttentionParams& a) {
   static const bool mma_requested = [] {
     const char* value = std::getenv("JSMLA_BACKWARD_PARTIALS");
     return value != nullptr && std::strcmp(value, "mma") == 0;
   }();
   if (mma_requested || a.num_heads <= 64 || !hopper_compiled()) return false;
-  constexpr int kDevices = 64;
-  static std::atomic<int> major_of[kDevices] = {};  // 0: not yet queried
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
-  int major = major_of[device].load(std::memory_order_relaxed);
-  if (major == 0) {
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
-    major_of[device].store(major, std::memory_order_relaxed);
-  }
-  return major == 9;
+  int device = 0, major = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major == 9;
 }
 
 int key_bits(uint64_t largest_key) {
