@@ -20,8 +20,9 @@
 #                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
 #                                                 # (JSMLA_COMPARE_TESTS=0 / JSMLA_COMPARE_CHECK=0 skip the
 #                                                 # tier / the check)
-#   bash benchmarks/gpu_session.sh backward       # build + the backward's GPU tests + memcheck over their
-#                                                 # sanitize tests + bench_backward.py's H200 rows
+#   bash benchmarks/gpu_session.sh backward       # build + the backward's GPU tests + memcheck, racecheck and
+#                                                 # synccheck over their sanitize tests (the tools of
+#                                                 # JSMLA_BACKWARD_SANITIZERS) + bench_backward.py's H200 rows
 #                                                 # (JSMLA_BACKWARD_TESTS=0: the rows only, of the formats
 #                                                 # JSMLA_BACKWARD_FORMATS and the T of JSMLA_BACKWARD_TOKENS;
 #                                                 # XLA timed up to JSMLA_BACKWARD_XLA_MAX_TOKENS, 1024)
@@ -104,22 +105,32 @@ case "$mode" in
   backward)
     if [ "${JSMLA_BACKWARD_TESTS:-1}" = 1 ]; then  # 0: the benchmark rows only
       run_tests -m gpu -k "backward or grad" || status=1
-      JSMLA_SANITIZE=1 timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --leak-check no \
-        --error-exitcode 9 --target-processes all python3 -m pytest -q -p no:cacheprovider -m gpu -k sanitize \
-        "$repo/tests/gpu/test_backward_cuda.py" > "$out/sanitizer_memcheck_backward.log" 2>&1 || status=1
-      echo "memcheck (backward): $(grep -E "ERROR SUMMARY" "$out/sanitizer_memcheck_backward.log" | sort | uniq -c | tr '\n' ' ')"
-      grep -E "passed|failed" "$out/sanitizer_memcheck_backward.log" | tail -1
+      # memcheck, racecheck and synccheck over the backward's sanitize tests (JSMLA_BACKWARD_SANITIZERS
+      # picks some; racecheck and synccheck track every shared-memory access and barrier: slower).
+      for tool in ${JSMLA_BACKWARD_SANITIZERS:-memcheck racecheck synccheck}; do
+        extra=""
+        [ "$tool" = memcheck ] && extra="--leak-check no"
+        [ "$tool" = racecheck ] && extra="--racecheck-report all"
+        # shellcheck disable=SC2086  # $extra is a list of sanitizer flags
+        JSMLA_SANITIZE=1 timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool $extra \
+          --error-exitcode 9 --target-processes all python3 -m pytest -q -p no:cacheprovider -m gpu -k sanitize \
+          "$repo/tests/gpu/test_backward_cuda.py" > "$out/sanitizer_${tool}_backward.log" 2>&1 || status=1
+        echo "$tool (backward): $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer_${tool}_backward.log" | sort | uniq -c | tr '\n' ' ')"
+        grep -E "passed|failed" "$out/sanitizer_${tool}_backward.log" | tail -1
+      done
     fi
     # Each row compiles XLA's reference twice (13-20 s a jit at T = 1024): the rows go out on stderr and
     # into the results files as they complete, so a run cut short by the timeout keeps the rows it
     # finished. XLA's autodiff of the reference is timed up to JSMLA_BACKWARD_XLA_MAX_TOKENS tokens (1024;
     # 0: every row): above that it needs more than an H200's memory, which takes minutes to find out.
-    timeout "${JSMLA_BENCH_TIMEOUT:-420}" python3 "$repo/benchmarks/bench_backward.py" \
-      --formats "${JSMLA_BACKWARD_FORMATS:-bf16_576,dsv3_2}" --tokens "${JSMLA_BACKWARD_TOKENS:-1024,4096}" \
-      --heads 128 --topk 2048 --cache_tokens 65536 --cache_gradient both --repeats 3 \
-      --check_tokens 128 --xla_max_tokens "${JSMLA_BACKWARD_XLA_MAX_TOKENS:-1024}" \
-      --out_dir "$out" > "$out/bench_backward.log" 2> "$out/bench_backward.err" || status=1
-    grep -E "^\|" "$out/bench_backward.err" | tail -12
+    if [ "${JSMLA_BACKWARD_ROWS:-1}" = 1 ]; then  # 0: the tests only
+      timeout "${JSMLA_BENCH_TIMEOUT:-420}" python3 "$repo/benchmarks/bench_backward.py" \
+        --formats "${JSMLA_BACKWARD_FORMATS:-bf16_576,dsv3_2}" --tokens "${JSMLA_BACKWARD_TOKENS:-1024,4096}" \
+        --heads 128 --topk 2048 --cache_tokens 65536 --cache_gradient both --repeats 3 \
+        --check_tokens 128 --xla_max_tokens "${JSMLA_BACKWARD_XLA_MAX_TOKENS:-1024}" \
+        --out_dir "$out" > "$out/bench_backward.log" 2> "$out/bench_backward.err" || status=1
+      grep -E "^\|" "$out/bench_backward.err" | tail -12
+    fi
     ;;
   backward_profile)
     for profile in ${JSMLA_BACKWARD_PROFILES:-bf16_576:q bf16_576:cache dsv3_2:q}; do
