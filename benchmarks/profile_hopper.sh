@@ -7,6 +7,10 @@
 # are in $JSMLA_FLASHMLA_SRC, default .anchors/flashmla), then the hottest SASS lines by stall reason of
 # each. The standalone headline timings come first (every case checked). Output: $OUT (default
 # /tmp/jsmla_profile_hopper); a side-by-side summary is printed last.
+#
+# JSMLA_PROFILE_SHAPE=h16 profiles the 16-head portable tile instead (dsv3_2 T = 128 H = 16, 2 splits:
+# the first launch of `portable_check --h16`, after that mode's timings), beside FlashMLA's kernel on the
+# same shape (its heads padded to 64: `flashmla_anchor.py 128 16`).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_profile_hopper}
@@ -15,8 +19,14 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 source "$repo/benchmarks/flashmla_build.sh"
 start_flashmla_build
 build=/tmp/jsmla_profile_hopper_build
+# what is profiled: (check mode, our kernel's regex, launches to skip and to profile, FlashMLA's heads)
+case "${JSMLA_PROFILE_SHAPE:-h128}" in
+  h128) check_mode=--headline; ours="sparse_mla_hopper 0 4 $build/portable_check --profile"; flash_heads=128 ;;
+  h16) check_mode=--h16; ours="sparse_mla_portable 0 1 $build/portable_check --h16"; flash_heads=16 ;;
+  *) echo "JSMLA_PROFILE_SHAPE: h128 or h16"; exit 2 ;;
+esac
 (cd "$repo" && BUILD=$build SKIP_SANITIZE=1 OUT="$out/check" \
-   bash kernels/cuda/tests/build_and_check.sh --headline > "$out/headline.log" 2>&1)
+   bash kernels/cuda/tests/build_and_check.sh "$check_mode" > "$out/headline.log" 2>&1)
 grep -E "us .*TFLOP" "$out/headline.log"
 
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
@@ -31,10 +41,12 @@ profile() {  # name, kernel regex, launches to skip, launches to profile, comman
   echo "== hottest SASS lines: $name"
   python3 "$repo/kernels/cuda/tests/top_stalls.py" "$out/${name}_src.csv" 15 | tail -17
 }
-profile ours sparse_mla_hopper 0 4 "$build/portable_check" --profile  # decode (1 split), then prefill; each run twice (determinism)
+# h128: decode (1 split), then prefill, each run twice (determinism); h16: the first decode launch
+# shellcheck disable=SC2086
+profile ours $ours
 if flashmla_ready; then
   (cd /tmp && export PYTHONPATH="$flashmla_src" && profile flashmla flash_fwd_splitkv_mla_fp8_sparse 2 1 \
-     python3 "$repo/benchmarks/flashmla_anchor.py" 128 128)
+     python3 "$repo/benchmarks/flashmla_anchor.py" 128 "$flash_heads")
 else
   echo "FlashMLA not built:"; tail -3 "$out/flashmla_build.log" 2>/dev/null
 fi

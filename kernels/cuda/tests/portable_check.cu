@@ -9,12 +9,13 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --profile | --profile-small]   (exit code 0
+// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --profile | --profile-small]   (exit code 0
 // only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --ablate: only the
 //   dsv3_2 H=128 rows of --headline (decode and prefill variant at T=128, prefill T=4096), for builds
-//   that leave a stage of the kernel out to see what it costs; --profile: see below.
+//   that leave a stage of the kernel out to see what it costs; --h16: the 16-head portable tile at
+//   tensor-parallel shard shapes (T=1..128, H=16/32) over several split counts; --profile: see below.
 // JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
 // dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
 #include <cuda_runtime.h>
@@ -705,6 +706,32 @@ int main(int argc, char** argv) {
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     run_case(d1, g_hopper_device ? on_hopper(decode_plan(64, 2048, 32)) : decode_plan(64, 2048, 32), {0}, 0);
     release(d1);
+    return g_failed ? 1 : 0;
+  }
+  if (mode == "--h16") {  // the 16-head portable tile at the tensor-parallel shard shapes, several split counts
+    const Fp8Table fp8;
+    HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
+    struct Shape { int64_t tokens; int heads; std::vector<int> splits; };
+    for (const Shape& sh : {Shape{128, 16, {2, 3, 4, 6}}, Shape{128, 32, {2, 3, 4}}, Shape{32, 16, {4, 8, 12}},
+                            Shape{1, 16, {32, 64}}}) {
+      const std::string name = "dsv3_2 T=" + std::to_string(sh.tokens) + " H=" + std::to_string(sh.heads) + " k=2048";
+      Problem pr{name, FormatId::kDsv32, sh.tokens, sh.heads, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+      DeviceProblem d = make_problem(pr, &cache, nullptr, 31);
+      for (int splits : sh.splits) run_case(d, decode_plan(16, 2048, splits), {0, sh.tokens - 1}, 15);
+      release(d);
+    }
+    cudaFree(cache.device);
+    const FormatTraits& f4 = format_traits(FormatId::kDsv4);
+    HostCache dsv4 = build_cache(f4, 4096, 64, 576, 64 * 584, 4, fp8);
+    Problem pr4{"dsv4 T=128 H=16 k=2048", FormatId::kDsv4, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+    DeviceProblem d4 = make_problem(pr4, &dsv4, nullptr, 32);
+    for (int splits : {2, 3, 4}) run_case(d4, decode_plan(16, 2048, splits), {0, 127}, 15);
+    release(d4);
+    cudaFree(dsv4.device);
+    for (const Row& r : g_rows) {
+      std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
+                  r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
+    }
     return g_failed ? 1 : 0;
   }
   if (mode == "--profile" || mode == "--headline" || mode == "--ablate") {
