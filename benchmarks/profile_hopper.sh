@@ -30,7 +30,8 @@ esac
 grep -E "us .*TFLOP" "$out/headline.log"
 
 sections="--section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
-  --section WarpStateStats --section SourceCounters --section InstructionStats --section LaunchStats"
+  --section WarpStateStats --section SourceCounters --section InstructionStats --section LaunchStats
+  --section SchedulerStats --section Occupancy"
 profile() {  # name, kernel regex, launches to skip, launches to profile, command...
   local name=$1 regex=$2 skip=$3 count=$4
   shift 4
@@ -56,7 +57,8 @@ import os, re, sys
 out = sys.argv[1]
 wanted = ["Duration", "Elapsed Cycles", "Compute (SM) Throughput", "Memory Throughput", "Executed Ipc Active",
           "Issue Slots Busy", "Warp Cycles Per Issued Instruction", "Executed Instructions", "Registers Per Thread",
-          "Dynamic Shared Memory Per Block", "Threads"]
+          "Dynamic Shared Memory Per Block", "Threads", "DRAM Throughput", "L1/TEX Cache Throughput",
+          "Achieved Occupancy", "Eligible Warps Per Scheduler", "No Eligible"]
 def kernels(path):
     """[(kernel header, {metric: value})] from an ncu details page."""
     found, current = [], None
@@ -83,3 +85,8 @@ for name in ("ours", "flashmla"):
         for row in metrics.get("shared rows", [])[:6]:
             print(f"   {row[:150]}")
 EOF
+for name in ours flashmla; do  # ncu's warp-state rules: the main stall reason of each kernel, in its words
+  [ -f "$out/${name}_details.txt" ] && { echo "== $name stalls"; grep -A2 "cycles being stalled" "$out/${name}_details.txt" | head -9; }
+done
+# Everything in one archive beside the reports, so that every file comes back from a device call.
+(cd "$out" && tar czf profile.tgz --remove-files ./*.txt ./*.csv ./*.log check 2>/dev/null)

@@ -112,7 +112,12 @@ HostCache build_cache(const FormatTraits& f, int64_t num_pages, int64_t page_siz
       for (int64_t slot = w; slot < slots; slot += threads) {
         for (auto& v : x) v = normal(rng);
         uint8_t* row = const_cast<uint8_t*>(c.view.data_row(slot));
-        if (f.quant_dim > 0) {
+        if (f.quant_bits == 4) {  // random E2M1 codes and E4M3 scales 2^-1 .. 2^1 (the reference dequantizes them)
+          uint8_t* scales = const_cast<uint8_t*>(c.view.scales(f, slot));
+          std::memset(scales, 0, f.scale_row_bytes);
+          for (int g = 0; g < f.num_groups; ++g) scales[g] = static_cast<uint8_t>(0x30 + rng() % 17);
+          for (int i = 0; i < f.quant_dim / 2; ++i) row[i] = static_cast<uint8_t>(rng());
+        } else if (f.quant_dim > 0) {
           uint8_t* scales = const_cast<uint8_t*>(c.view.scales(f, slot));
           if (f.layout == Layout::kFooter) std::memset(scales, 0, f.scale_row_bytes);
           for (int g = 0; g < f.num_groups; ++g) {
@@ -728,6 +733,13 @@ int main(int argc, char** argv) {
     for (int splits : {2, 3, 4}) run_case(d4, decode_plan(16, 2048, splits), {0, 127}, 15);
     release(d4);
     cudaFree(dsv4.device);
+    const FormatTraits& fp4 = format_traits(FormatId::kDsv4Nvfp4);  // the same shape at 0.66x the bytes
+    HostCache nvfp4 = build_cache(fp4, 4096, 64, fp4.data_row_bytes, 64 * fp4.bytes_per_token, 5, fp8);
+    Problem prf{"dsv4_nvfp4 T=128 H=16 k=2048", FormatId::kDsv4Nvfp4, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+    DeviceProblem df = make_problem(prf, &nvfp4, nullptr, 33);
+    for (int splits : {2, 3, 4}) run_case(df, decode_plan(16, 2048, splits), {0, 127}, 15);
+    release(df);
+    cudaFree(nvfp4.device);
     for (const Row& r : g_rows) {
       std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
                   r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
