@@ -8,9 +8,10 @@
 # each. The standalone headline timings come first (every case checked). Output: $OUT (default
 # /tmp/jsmla_profile_hopper); a side-by-side summary is printed last.
 #
-# JSMLA_PROFILE_SHAPE=h16 profiles the 16-head portable tile instead (dsv3_2 T = 128 H = 16, 2 splits:
-# the first launch of `portable_check --h16`, after that mode's timings), beside FlashMLA's kernel on the
-# same shape (its heads padded to 64: `flashmla_anchor.py 128 16`).
+# JSMLA_PROFILE_SHAPE=h16 profiles the 16-head portable tile instead (dsv3_2 T = 128 H = 16, 1 split:
+# the first launch of `portable_check --h16`, after that mode's timings), h16h the Hopper family's
+# 16-head tile on the same case, beside FlashMLA's kernel on the same shape (its heads padded to 64:
+# `flashmla_anchor.py 128 16`).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_profile_hopper}
@@ -23,7 +24,8 @@ build=/tmp/jsmla_profile_hopper_build
 case "${JSMLA_PROFILE_SHAPE:-h128}" in
   h128) check_mode=--headline; ours="sparse_mla_hopper 0 4 $build/portable_check --profile"; flash_heads=128 ;;
   h16) check_mode=--h16; ours="sparse_mla_portable 0 1 $build/portable_check --h16"; flash_heads=16 ;;
-  *) echo "JSMLA_PROFILE_SHAPE: h128 or h16"; exit 2 ;;
+  h16h) check_mode=--h16; ours="sparse_mla_hopper_h16 0 1 $build/portable_check --h16"; flash_heads=16 ;;
+  *) echo "JSMLA_PROFILE_SHAPE: h128, h16 or h16h"; exit 2 ;;
 esac
 (cd "$repo" && BUILD=$build SKIP_SANITIZE=1 OUT="$out/check" \
    bash kernels/cuda/tests/build_and_check.sh "$check_mode" > "$out/headline.log" 2>&1)

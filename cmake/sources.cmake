@@ -33,14 +33,19 @@ set(JSMLA_CUDA_SOURCES
   kernels/cuda/portable/instances/dsv4_nvfp4_h64.cu
   kernels/cuda/portable/instances/dsv4_1_fp4_h16.cu
   kernels/cuda/portable/instances/dsv4_1_fp4_h64.cu
+  kernels/cuda/hopper/instances/dsv3_2_h16.cu
   kernels/cuda/hopper/instances/dsv3_2_h64.cu
   kernels/cuda/hopper/instances/glm_nsa_h64.cu
   kernels/cuda/hopper/instances/glm53_nope_h64.cu
+  kernels/cuda/hopper/instances/dsv4_h16.cu
   kernels/cuda/hopper/instances/dsv4_h64.cu
+  kernels/cuda/hopper/instances/dsv4_1_h16.cu
   kernels/cuda/hopper/instances/dsv4_1_h64.cu
   kernels/cuda/hopper/instances/bf16_576_h64.cu
   kernels/cuda/hopper/instances/bf16_512_h64.cu
+  kernels/cuda/hopper/instances/dsv4_nvfp4_h16.cu
   kernels/cuda/hopper/instances/dsv4_nvfp4_h64.cu
+  kernels/cuda/hopper/instances/dsv4_1_fp4_h16.cu
   kernels/cuda/hopper/instances/dsv4_1_fp4_h64.cu
   kernels/cuda/backward/instances/dsv3_2_h64.cu
   kernels/cuda/backward/instances/dsv4_h64.cu

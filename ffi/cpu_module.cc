@@ -116,14 +116,15 @@ NB_MODULE(_cpu_ext, m) {
   m.attr("BACKWARD_CHUNK_BUDGET_BYTES") = jsmla::cuda::BackwardWorkspace::kChunkBudgetBytes;
   m.def(
       "kernel_family",
-      [](int format_id, int heads_per_block, int capability, int max_shared_bytes, bool hopper_compiled) {
+      [](int format_id, int heads_per_block, int64_t split_size, int capability, int max_shared_bytes,
+         bool hopper_compiled) {
         if (format_id < 0 || format_id >= jsmla::kNumFormats) throw nb::value_error("unknown format id");
         return family_name(jsmla::cuda::choose_family(static_cast<jsmla::FormatId>(format_id), heads_per_block,
-                                                      capability, max_shared_bytes, hopper_compiled,
+                                                      split_size, capability, max_shared_bytes, hopper_compiled,
                                                       jsmla::cuda::hopper_allowed_by_environment()));
       },
-      nb::arg("format_id"), nb::arg("heads_per_block"), nb::arg("capability"), nb::arg("max_shared_bytes"),
-      nb::arg("hopper_compiled"),
-      "The CUDA family that runs a plan's (format, head tile) on a device, as the CUDA handler chooses it "
-      "(JSMLA_CUDA_FAMILY read now).");
+      nb::arg("format_id"), nb::arg("heads_per_block"), nb::arg("split_size"), nb::arg("capability"),
+      nb::arg("max_shared_bytes"), nb::arg("hopper_compiled"),
+      "The CUDA family that runs a plan's (format, head tile, split size) on a device, as the CUDA handler "
+      "chooses it (JSMLA_CUDA_FAMILY read now).");
 }

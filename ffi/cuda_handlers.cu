@@ -140,8 +140,9 @@ struct DeviceFacts {
 };
 
 // The kernel that runs the plan on the current device (no device data is read): the family
-// cuda::choose_family picks, for the plan's format and head tile; fills `facts`.
-ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, const KernelInfo** kernel, DeviceFacts* facts) {
+// cuda::choose_family picks, for the plan's format, head tile and split size; fills `facts`.
+ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, int64_t split_size, const KernelInfo** kernel,
+                         DeviceFacts* facts) {
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return cuda_error("cudaGetDevice", e);
   int major = 0, minor = 0, max_shared = 0;
@@ -158,7 +159,8 @@ ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, const K
                           std::to_string(cuda::kMinComputeCapability) + " or newer)");
   }
   const Family family =
-      cuda::choose_family(f.id, heads_per_block, facts->capability, max_shared, cuda::hopper_compiled(), hopper_allowed());
+      cuda::choose_family(f.id, heads_per_block, split_size, facts->capability, max_shared, cuda::hopper_compiled(),
+                          hopper_allowed());
   *kernel = cuda::find_kernel(family, f.id, heads_per_block);
   if ((*kernel)->shape.shared_bytes > max_shared) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
@@ -228,7 +230,11 @@ ffi::Error SparseMlaCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Any
   if (error = check_plan(*format, params.attn, plan, workspace_data, workspace_bytes); error.failure()) return error;
   const KernelInfo* kernel = nullptr;
   DeviceFacts device;
-  if (error = select_kernel(*format, heads_per_block, &kernel, &device); error.failure()) return error;
+  const int64_t positions_per_split =
+      plan.decode() ? plan.split_size : static_cast<int64_t>(params.attn.main.topk) + params.attn.extra.topk;
+  if (error = select_kernel(*format, heads_per_block, positions_per_split, &kernel, &device); error.failure()) {
+    return error;
+  }
   if (params.attn.num_tokens == 0) return ffi::Error::Success();  // never launch an empty grid
   return launch(*kernel, *format, plan, device, params, workspace_data, stream);
 }

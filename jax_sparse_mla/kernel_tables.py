@@ -108,9 +108,12 @@ def backward_workspace_bytes(num_tokens: int, num_heads: int, topk: int, gradien
 
 
 def kernel_family(kv_format: str, heads_per_block: int, compute_capability: int, max_shared_bytes: int,
-                  hopper_compiled: bool = True) -> str:
+                  hopper_compiled: bool = True, split_size: int | None = None) -> str:
     """Which family runs a plan on a device: ``"hopper"`` or ``"portable"``, decided as the CUDA handler
     decides it. ``hopper_compiled``: the build carries sm_90a code (the default architectures do);
-    ``JSMLA_CUDA_FAMILY=portable`` in the environment keeps every plan on the portable family."""
-    return _cpu_ext.kernel_family(get_format(kv_format).id, heads_per_block, compute_capability, max_shared_bytes,
-                                  hopper_compiled)
+    ``split_size``: candidate positions per split of a decode plan (``None``: one split over the whole
+    list, as a prefill plan; the Hopper 16-head tile takes no split shorter than its 64-candidate
+    tile); ``JSMLA_CUDA_FAMILY=portable`` in the environment keeps every plan on the portable family."""
+    return _cpu_ext.kernel_family(get_format(kv_format).id, heads_per_block,
+                                  2**62 if split_size is None else split_size, compute_capability,
+                                  max_shared_bytes, hopper_compiled)

@@ -193,9 +193,12 @@ def _round_up(a: int, b: int) -> int:
     return _ceil_div(a, b) * b
 
 
-def resident_blocks(kv_format: str, heads_per_block: int, device: DeviceInfo) -> int:
-    """Blocks of a kernel that fit on one SM at once: limited by registers and shared memory."""
-    kernel = kernel_tables.KERNELS[(kv_format, heads_per_block)]
+def resident_blocks(kv_format: str, heads_per_block: int, device: DeviceInfo, split_size=None) -> int:
+    """Blocks of the kernel that runs a plan (``split_size``: a decode plan's; ``None``: one split over
+    the whole list) that fit on one SM at once: limited by registers and shared memory."""
+    tables = (kernel_tables.HOPPER_KERNELS if _family(get_format(kv_format), heads_per_block, split_size, device)
+              == "hopper" else kernel_tables.KERNELS)
+    kernel = tables[(kv_format, heads_per_block)]
     by_registers = device.registers_per_sm // (kernel.threads * REGISTERS_PER_THREAD)
     by_shared = device.smem_per_sm // (kernel.shared_bytes + SHARED_BYTES_RESERVED_PER_BLOCK)
     return max(1, min(by_registers, by_shared))
@@ -205,10 +208,11 @@ def option_us(model: CostModel, fmt: KVFormat, num_tokens: int, num_heads: int, 
               heads_per_block: int, num_splits: int, device: DeviceInfo) -> float:
     """The model's time for one choice (``num_splits`` is rounded to whole split granules)."""
     base_blocks = num_tokens * _ceil_div(num_heads, heads_per_block)
-    resident = resident_blocks(fmt.key, heads_per_block, device)
     if variant == "prefill":
+        resident = resident_blocks(fmt.key, heads_per_block, device)
         return model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count, resident)
     split_size, num_splits = split_layout(candidates, num_splits)
+    resident = resident_blocks(fmt.key, heads_per_block, device, split_size)
     return (model.kernel_us(base_blocks * num_splits, split_size, heads_per_block, device.sm_count, resident)
             + model.combine_us(num_splits, num_tokens, num_heads, fmt.d_v))
 
@@ -249,7 +253,7 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
         split_size = _round_up(BATCH_INVARIANT_SPLIT_SIZE, kernel_tables.SPLIT_GRANULE)
         num_splits = _ceil_div(candidates, split_size)
         return Plan(variant="decode", heads_per_block=heads_per_block, num_splits=num_splits, split_size=split_size,
-                    family=_family(fmt, heads_per_block, device),
+                    family=_family(fmt, heads_per_block, split_size, device),
                     workspace_bytes=kernel_tables.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v),
                     reason=f"batch_invariant: fixed {split_size}-candidate splits and head tile {heads_per_block}, "
                            f"independent of T", **common)
@@ -269,12 +273,12 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
     workspace = kernel_tables.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v) if variant == "decode" else 0
     return Plan(variant=variant, heads_per_block=heads_per_block, num_splits=num_splits if variant == "decode" else 1,
                 split_size=split_size, workspace_bytes=workspace, reason=reason, predicted_us=us,
-                family=_family(fmt, heads_per_block, device), **common)
+                family=_family(fmt, heads_per_block, split_size if variant == "decode" else None, device), **common)
 
 
-def _family(fmt: KVFormat, heads_per_block: int, device: DeviceInfo) -> str:
+def _family(fmt: KVFormat, heads_per_block: int, split_size, device: DeviceInfo) -> str:
     return kernel_tables.kernel_family(fmt.key, heads_per_block, device.arch, device.smem_per_block,
-                                       _ffi.hopper_compiled())
+                                       _ffi.hopper_compiled(), split_size)
 
 
 @functools.lru_cache(maxsize=4096)

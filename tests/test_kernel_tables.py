@@ -69,9 +69,17 @@ def test_hopper_kernels_serve_portable_plans():
     for key, config in kernel_tables.HOPPER_KERNELS.items():
         assert key in kernel_tables.KERNELS
         assert config.candidate_tile % kernel_tables.KERNELS[key].candidate_tile == 0
-    # BF16 rows (no staging area) take 64-candidate tiles; the others the portable family's 32.
+    # BF16 rows (no staging area) and 16-head tiles (the candidates are the wgmma M) take 64-candidate
+    # tiles; the others the portable family's 32.
     for (key, heads), config in kernel_tables.HOPPER_KERNELS.items():
-        assert config.candidate_tile == (64 if key.startswith("bf16") else 32), (key, config)
+        assert config.candidate_tile == (64 if key.startswith("bf16") or heads == 16 else 32), (key, config)
+
+
+def test_hopper_16_head_tiles_serve_the_fp8_and_fp4_formats_with_exact_conversions():
+    # Arbitrary FP32 scales (glm_*) and BF16 rows keep the portable 16-head tile; dots3_swa has no Hopper tile.
+    served = {fmt for fmt, heads in kernel_tables.HOPPER_KERNELS if heads == 16}
+    assert served == {"dsv3_2", "dsv4", "dsv4_1", "dsv4_nvfp4", "dsv4_1_fp4"}
+    assert kernel_tables.HOPPER_KERNELS[("dsv3_2", 16)].threads == 384
 
 
 def test_hopper_formats_are_the_576_and_512_wide_formats():
@@ -85,7 +93,8 @@ def test_hopper_formats_are_the_576_and_512_wide_formats():
 
 @pytest.mark.parametrize("kv_format,heads,capability,shared,family", [
     ("dsv3_2", 64, 90, H200_SHARED, "hopper"),
-    ("dsv3_2", 16, 90, H200_SHARED, "portable"),       # no Hopper kernel for 16-head tiles
+    ("dsv3_2", 16, 90, H200_SHARED, "hopper"),         # the 16-head Hopper tile (a prefill plan: one split)
+    ("bf16_576", 16, 90, H200_SHARED, "portable"),     # no 16-head Hopper tile for BF16 rows
     ("dsv3_2", 64, 80, 166912, "portable"),            # A100
     ("dsv3_2", 64, 120, 101376, "portable"),           # sm_120: no wgmma
     ("dsv3_2", 64, 90, 100000, "portable"),            # not enough shared memory
@@ -96,6 +105,16 @@ def test_hopper_formats_are_the_576_and_512_wide_formats():
 ])
 def test_kernel_family(kv_format, heads, capability, shared, family):
     assert kernel_tables.kernel_family(kv_format, heads, capability, shared) == family
+
+
+@pytest.mark.parametrize("kv_format,heads,split_size,family", [
+    ("dsv3_2", 16, 32, "portable"),   # a split shorter than the 16-head Hopper tile's 64 candidates
+    ("dsv3_2", 16, 64, "hopper"),
+    ("dsv4_nvfp4", 16, 96, "hopper"),
+    ("dsv3_2", 64, 32, "hopper"),     # the 64-head tile takes every split
+])
+def test_kernel_family_by_split_size(kv_format, heads, split_size, family):
+    assert kernel_tables.kernel_family(kv_format, heads, 90, H200_SHARED, split_size=split_size) == family
 
 
 def test_kernel_family_without_sm90a_code_is_portable():
@@ -115,7 +134,11 @@ def test_plan_names_the_family_that_runs_it():
     assert big.heads_per_block == 64 and big.family == "hopper"  # the default device is an H200
     assert "family=hopper" in big.describe()
     small = planner.plan((4, 8, 576), "dsv3_2", 64, platform="cuda")
-    assert small.heads_per_block == 16 and small.family == "portable"
+    assert small.heads_per_block == 16
+    assert small.family == kernel_tables.kernel_family(
+        "dsv3_2", 16, 90, H200_SHARED, split_size=small.split_size if small.variant == "decode" else None)
+    one = planner.plan((1, 16, 576), "bf16_576", 2048, platform="cuda")
+    assert one.heads_per_block == 16 and one.family == "portable"  # no 16-head Hopper tile for BF16 rows
     assert planner.plan((4, 8, 576), "dsv3_2", 64, platform="cpu").family == "cpu_reference"
 
 

@@ -25,14 +25,19 @@
   X(kDsv41Fp4, 64)
 
 #define JSMLA_HOPPER_KERNELS(X) \
+  X(kDsv32, 16) \
   X(kDsv32, 64) \
   X(kGlmNsa, 64) \
   X(kGlm53Nope, 64) \
+  X(kDsv4, 16) \
   X(kDsv4, 64) \
+  X(kDsv41, 16) \
   X(kDsv41, 64) \
   X(kBf16_576, 64) \
   X(kBf16_512, 64) \
+  X(kDsv4Nvfp4, 16) \
   X(kDsv4Nvfp4, 64) \
+  X(kDsv41Fp4, 16) \
   X(kDsv41Fp4, 64)
 
 #define JSMLA_BACKWARD_KERNELS(X) \

@@ -27,11 +27,12 @@ struct KernelShape {
   int32_t threads;
   int32_t candidate_tile;
   int32_t shared_bytes;  // dynamic shared memory per block
+  int32_t min_split_size;  // the shortest split the family takes this instance for (choose_family)
 };
 
 template <class Cfg>
 constexpr KernelShape shape_of(Family family) {
-  return {family, Cfg::kF.id, Cfg::kHeadTile, Cfg::kThreads, Cfg::kCandidateTile, Cfg::kSharedBytes};
+  return {family, Cfg::kF.id, Cfg::kHeadTile, Cfg::kThreads, Cfg::kCandidateTile, Cfg::kSharedBytes, Cfg::kMinSplitSize};
 }
 
 #define JSMLA_PORTABLE_SHAPE(format, heads) shape_of<portable::PortableConfig<FormatId::format, heads>>(Family::kPortable),
@@ -75,14 +76,17 @@ static_assert(tables_consistent(),
               "every Hopper instance needs a portable twin whose candidate tile divides its own, and every "
               "portable candidate tile must divide the split granule");
 
-// The family that runs a plan's (format, head tile) on a device: the Hopper kernel when it exists, the
-// device is sm_90 with enough shared memory, the build carries sm_90a code and JSMLA_CUDA_FAMILY does
-// not ask for the portable family; the portable kernel otherwise.
-constexpr Family choose_family(FormatId format, int heads_per_block, int capability, int max_shared_bytes,
-                               bool hopper_compiled, bool hopper_allowed) {
+// The family that runs a plan's (format, head tile, split size) on a device: the Hopper kernel when it
+// exists and takes splits of that size, the device is sm_90 with enough shared memory, the build
+// carries sm_90a code and JSMLA_CUDA_FAMILY does not ask for the portable family; the portable kernel
+// otherwise. `split_size`: candidate positions per split of a decode plan (a prefill plan's one split
+// covers the whole list).
+constexpr Family choose_family(FormatId format, int heads_per_block, int64_t split_size, int capability,
+                               int max_shared_bytes, bool hopper_compiled, bool hopper_allowed) {
   const int hopper = find_shape(Family::kHopper, format, heads_per_block);
   return hopper >= 0 && hopper_compiled && hopper_allowed && capability == kHopperComputeCapability &&
-                 kKernelShapes[hopper].shared_bytes <= max_shared_bytes
+                 kKernelShapes[hopper].shared_bytes <= max_shared_bytes &&
+                 split_size >= kKernelShapes[hopper].min_split_size
              ? Family::kHopper
              : Family::kPortable;
 }

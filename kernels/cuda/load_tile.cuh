@@ -112,32 +112,38 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   template <int kBatch, class Store>
   static JSMLA_DEVICE void convert_batched(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot, int sub,
                                            Store&& store) {
-    static_assert(kUniformUnits || kF.quant_bits != 8, "the FP8 path choice needs every thread's units known");
-    constexpr int kQuantPerThread = kQuantUnits / kThreadsPerRow;
     if (!valid) {
-#pragma unroll
-      for (int i = 0; i < kUnitsPerThread; ++i) {
-        const int unit = sub + i * kThreadsPerRow;
-        if (!has_unit(unit)) continue;
-        if (quant_unit(i, unit)) {
-          store_zero_quant_unit(unit, store);
-        } else {
-          store(kF.quant_dim + 8 * (unit - kQuantUnits), make_uint4(0, 0, 0, 0));
-        }
-      }
+      store_zero_units(sub, store);
       return;
     }
-    bool bit_path = kF.quant_bits == 8;  // (FP4 has one exact conversion)
-    if constexpr (kF.quant_bits == 8) {
-#pragma unroll
-      for (int i = 0; i < kQuantPerThread; ++i) bit_path &= bit_path_scale(unit_scale(scale_slot, sub + i * kThreadsPerRow));
-    }
-    if (bit_path) {
+    if (bit_path_row(scale_slot, sub)) {
       convert_staged<kBatch, true>(staged_row, scale_slot, sub, store);
     } else {
       convert_staged<kBatch, false>(staged_row, scale_slot, sub, store);
     }
   }
+
+  // convert_batched in two steps, for a thread that refills its staging row before it converts:
+  // load_staged copies all of the thread's staged units of a row into registers, convert_loaded
+  // converts them (the scale slot is read then, so it must still hold the row's record).
+  static JSMLA_DEVICE void load_staged(const uint8_t* staged_row, int sub, uint4 (&units)[kUnitsPerThread]) {
+    load_units(staged_row, sub, 0, kUnitsPerThread, units);
+  }
+  template <class Store>
+  static JSMLA_DEVICE void convert_loaded(bool valid, const uint4 (&units)[kUnitsPerThread], const uint8_t* scale_slot,
+                                          int sub, Store&& store) {
+    if (!valid) {
+      store_zero_units(sub, store);
+      return;
+    }
+    if (bit_path_row(scale_slot, sub)) {
+      convert_units<true>(units, 0, kUnitsPerThread, scale_slot, sub, store);
+    } else {
+      convert_units<false>(units, 0, kUnitsPerThread, scale_slot, sub, store);
+    }
+  }
+  // The last unit index i that every thread of a row loads (a register load_staged always fills).
+  static constexpr int kLastCommonUnit = kUnits / kThreadsPerRow - 1;
 
   // kExactScales only: writes row `row`'s mantissas and ratios (1 for a masked row, whose tile row
   // is zero) into `factors` (kFactorFloats floats); called by one thread per row.
@@ -167,34 +173,72 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   }
 
  private:
-  // The staged units of convert_batched, kBatch loads at a time, all FP8 units on one path.
+  // Zeros for every unit of this thread (a masked row).
+  template <class Store>
+  static JSMLA_DEVICE void store_zero_units(int sub, Store& store) {
+#pragma unroll
+    for (int i = 0; i < kUnitsPerThread; ++i) {
+      const int unit = sub + i * kThreadsPerRow;
+      if (!has_unit(unit)) continue;
+      if (quant_unit(i, unit)) {
+        store_zero_quant_unit(unit, store);
+      } else {
+        store(kF.quant_dim + 8 * (unit - kQuantUnits), make_uint4(0, 0, 0, 0));
+      }
+    }
+  }
+
+  // Whether all of this thread's FP8 units take the bit path (FP4 has one exact conversion).
+  static JSMLA_DEVICE bool bit_path_row(const uint8_t* scale_slot, int sub) {
+    static_assert(kUniformUnits || kF.quant_bits != 8, "the FP8 path choice needs every thread's units known");
+    bool bit_path = kF.quant_bits == 8;
+    if constexpr (kF.quant_bits == 8) {
+      constexpr int kQuantPerThread = kQuantUnits / kThreadsPerRow;
+#pragma unroll
+      for (int i = 0; i < kQuantPerThread; ++i) bit_path &= bit_path_scale(unit_scale(scale_slot, sub + i * kThreadsPerRow));
+    }
+    return bit_path;
+  }
+
+  // The thread's staged units i in [first, first + count) into units[i - first] (first and count are
+  // constants once the callers' loops are unrolled).
+  static JSMLA_DEVICE void load_units(const uint8_t* staged_row, int sub, int first, int count, uint4* units) {
+#pragma unroll
+    for (int j = 0; j < count; ++j) {
+      const int unit = sub + (first + j) * kThreadsPerRow;
+      if (first + j < kUnitsPerThread && has_unit(unit)) units[j] = *reinterpret_cast<const uint4*>(staged_row + 16 * unit);
+    }
+  }
+
+  // Converts units[i - first] for the thread's units i in [first, first + count), all FP8 units on one path.
+  template <bool kBitPath, class Store>
+  static JSMLA_DEVICE void convert_units(const uint4* units, int first, int count, const uint8_t* scale_slot, int sub,
+                                         Store& store) {
+#pragma unroll
+    for (int j = 0; j < count; ++j) {
+      const int i = first + j;
+      const int unit = sub + i * kThreadsPerRow;
+      if (i >= kUnitsPerThread || !has_unit(unit)) continue;
+      if (quant_unit(i, unit)) {
+        if constexpr (kF.quant_bits == 4) {
+          dequantize_fp4_unit(units[j], scale_slot, unit, store);
+        } else {
+          dequantize_fp8_unit<kBitPath>(units[j], unit_scale(scale_slot, unit), unit, store);
+        }
+      } else {
+        store(kF.quant_dim + 8 * (unit - kQuantUnits), units[j]);
+      }
+    }
+  }
+
+  // The staged units of convert_batched, kBatch loads at a time.
   template <int kBatch, bool kBitPath, class Store>
   static JSMLA_DEVICE void convert_staged(const uint8_t* staged_row, const uint8_t* scale_slot, int sub, Store& store) {
 #pragma unroll
     for (int first = 0; first < kUnitsPerThread; first += kBatch) {
       uint4 staged[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int unit = sub + (first + j) * kThreadsPerRow;
-        if (first + j < kUnitsPerThread && has_unit(unit)) {
-          staged[j] = *reinterpret_cast<const uint4*>(staged_row + 16 * unit);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int i = first + j;
-        const int unit = sub + i * kThreadsPerRow;
-        if (i >= kUnitsPerThread || !has_unit(unit)) continue;
-        if (quant_unit(i, unit)) {
-          if constexpr (kF.quant_bits == 4) {
-            dequantize_fp4_unit(staged[j], scale_slot, unit, store);
-          } else {
-            dequantize_fp8_unit<kBitPath>(staged[j], unit_scale(scale_slot, unit), unit, store);
-          }
-        } else {
-          store(kF.quant_dim + 8 * (unit - kQuantUnits), staged[j]);
-        }
-      }
+      load_units(staged_row, sub, first, kBatch, staged);
+      convert_units<kBitPath>(staged, first, kBatch, scale_slot, sub, store);
     }
   }
 

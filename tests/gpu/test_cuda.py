@@ -32,6 +32,8 @@ from jax_sparse_mla import _ffi, kernel_tables, planner, validate  # noqa: E402
 FORMATS = [key for key in jsm.FORMATS if kernel_tables.has_cuda_kernels(key)]
 #: The formats with a Hopper kernel (64-head tiles on sm_90).
 HOPPER_FORMATS = sorted({key for key, _ in kernel_tables.HOPPER_KERNELS})
+#: The formats with a Hopper 16-head tile (sm_90, splits of at least its 64 candidates).
+HOPPER_16_FORMATS = sorted(key for key, heads in kernel_tables.HOPPER_KERNELS if heads == 16)
 VARIANTS = ("decode", "prefill")
 gpu = pytest.mark.gpu
 gpu_full = pytest.mark.gpu_full
@@ -67,6 +69,23 @@ def test_hopper_formats_match_oracle_sanitize(rng, key, impl):
                     impl=impl).heads_per_block == 64
     case = cases.make_case(rng, key, num_tokens=tokens, num_heads=128, topk=topk,
                            attn_sink=rng.standard_normal(128).astype(np.float32))
+    case.check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("key", HOPPER_16_FORMATS)
+def test_hopper_16_head_tile_matches_oracle_sanitize(rng, key, impl):
+    """12 heads in one 16-head tile (four padding rows): the Hopper family's 16-head tile on an sm_90
+    GPU (the portable one elsewhere), ragged lists with masked slots, a sink, decode splits of 256
+    candidates (several 64-candidate tiles a split, the last one short)."""
+    tokens, topk = (64, 512) if impl == "decode" else (9, 200)
+    plan = jsm.plan((tokens, 12, jsm.get_format(key).d_qk), key, topk, platform="cuda", impl=impl)
+    assert plan.heads_per_block == 16 and (impl == "prefill" or plan.split_size >= 64)
+    if planner.device_info("cuda").arch == kernel_tables.HOPPER_COMPUTE_CAPABILITY:
+        assert plan.family == "hopper"
+    case = cases.make_case(rng, key, num_tokens=tokens, num_heads=12, topk=topk,
+                           attn_sink=rng.standard_normal(12).astype(np.float32))
     case.check(impl)
 
 

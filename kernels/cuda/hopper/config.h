@@ -18,6 +18,7 @@
 #pragma once
 
 #include "kernels/common/formats.h"
+#include "kernels/cuda/hopper/config_h16.h"
 #include "kernels/cuda/loader_geometry.h"
 
 namespace jsmla::cuda::hopper {
@@ -38,6 +39,7 @@ constexpr bool hopper_format(FormatId id) {
 template <FormatId kFormat, int kHeadTileValue>
 struct HopperConfig {
   static constexpr FormatTraits kF = format_traits(kFormat);
+  static constexpr bool kTransposed = false;  // S = Q·Kᵀ with the heads as wgmma M (config_h16.h: the other way)
   static constexpr int kHeadTile = kHeadTileValue;  // wgmma M
   // BF16 rows need no conversion: the producer copies them straight into the swizzled tile buffers,
   // and without a staging area two 64-candidate tiles fit (wide tiles: half the hand-overs per
@@ -45,6 +47,7 @@ struct HopperConfig {
   static constexpr bool kDirectTiles = kF.layout == Layout::kBf16;
   static constexpr bool kWideTiles = kDirectTiles;
   static constexpr int kCandidateTile = kWideTiles ? 64 : 32;  // wgmma N of S, k16 steps of P·V
+  static constexpr int kMinSplitSize = 0;  // every split (kernel_table.h: choose_family)
   static constexpr int kRoundRows = 32;  // rows a producer pass covers (4 threads a row)
   static constexpr int kRounds = kCandidateTile / kRoundRows;
   static constexpr int kProducerThreads = 128;
@@ -176,5 +179,9 @@ struct HopperConfig {
   static_assert(kConsumerGroups == 2, "a scorer and a second P·V warpgroup, one half of d_v each");
   static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
 };
+
+// 16 heads a block: the transposed tile of config_h16.h.
+template <FormatId kFormat>
+struct HopperConfig<kFormat, 16> : HopperH16Config<kFormat> {};
 
 }  // namespace jsmla::cuda::hopper

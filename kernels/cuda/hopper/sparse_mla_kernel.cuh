@@ -1,4 +1,5 @@
-// The Hopper sparse-MLA kernel (see config.h for the warpgroup roles). One template serves both
+// The Hopper sparse-MLA kernel of 64-head tiles (see config.h for the warpgroup roles; 16-head tiles:
+// sparse_mla_h16_kernel.cuh, launched from here too). One template serves both
 // plan variants, exactly like the portable family: decode splits write their partial state to the
 // split workspace (merged by combine.cuh), prefill writes out/lse directly with the sink folded in.
 //
@@ -29,6 +30,7 @@
 #include "kernels/cuda/candidate_tiles.cuh"
 #include "kernels/cuda/epilogue.cuh"
 #include "kernels/cuda/hopper/config.h"
+#include "kernels/cuda/hopper/sparse_mla_h16_kernel.cuh"
 #include "kernels/cuda/hopper/wgmma.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/cuda/launch_params.h"
@@ -38,12 +40,6 @@
 #include "kernels/cuda/softmax_merge.cuh"
 
 namespace jsmla::cuda::hopper {
-
-// Byte offset of BF16 element `dim` of row `row` in a swizzled operand of `rows` rows (dim % 8 == 0):
-// 64-column blocks of rows × 128 bytes; the 16-byte chunk c of row r sits at chunk c ^ (r % 8).
-JSMLA_DEVICE int swizzled_offset(int row, int dim, int rows) {
-  return (dim / 64) * rows * 128 + row * 128 + ((((dim % 64) / 8) ^ (row % 8)) * 16);
-}
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(const __grid_constant__ SplitKvParams p) {
@@ -470,8 +466,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 template <class Cfg>
 cudaError_t launch_sparse_mla_hopper(const SplitKvParams& p, cudaStream_t stream) {
   static DeviceOnce shared_memory_raised;
-  return launch_split_kv_grid(&sparse_mla_hopper_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes, shared_memory_raised,
-                              p, stream);
+  if constexpr (Cfg::kTransposed) {  // the 16-head tile (sparse_mla_h16_kernel.cuh)
+    return launch_split_kv_grid(&sparse_mla_hopper_h16_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes,
+                                shared_memory_raised, p, stream);
+  } else {
+    return launch_split_kv_grid(&sparse_mla_hopper_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes, shared_memory_raised,
+                                p, stream);
+  }
 }
 
 }  // namespace jsmla::cuda::hopper

@@ -41,6 +41,12 @@ JSMLA_DEVICE SmemDescriptor smem_descriptor(const void* start, uint32_t leading,
                         ((stride & 0x3FFFF) >> 4) | (static_cast<uint32_t>(swizzle) << 30)};
 }
 
+// Byte offset of BF16 element `dim` of row `row` in a 128-byte swizzled operand of `rows` rows (dim % 8 == 0):
+// 64-column blocks of rows × 128 bytes; the 16-byte chunk c of row r sits at chunk c ^ (r % 8).
+JSMLA_DEVICE int swizzled_offset(int row, int dim, int rows) {
+  return (dim / 64) * rows * 128 + row * 128 + ((((dim % 64) / 8) ^ (row % 8)) * 16);
+}
+
 JSMLA_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 JSMLA_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 JSMLA_DEVICE void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
@@ -86,6 +92,19 @@ JSMLA_DEVICE void wgmma_m64n32k16_ss(float (&d)[16], SmemDescriptor a, SmemDescr
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(accumulate));
+}
+
+// d[64x16] (+)= A[64x16] · B[16x16], both in shared memory, B K-major; A K-major (kTransposeA = 0) or
+// MN-major (1). The 16-head tile's Sᵀ = K·Qᵀ (A = K) and Oᵀ = Vᵀ·Pᵀ (A = Vᵀ, the tile read MN-major).
+template <int kTransposeA>
+JSMLA_DEVICE void wgmma_m64n16k16_ss(float (&d)[8], SmemDescriptor a, SmemDescriptor b, int accumulate) {
+  static_assert(kTransposeA == 0 || kTransposeA == 1, "A is K-major or MN-major");
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %12, 0;\n"
+      "mov.b64 da, {%8, %9};\nmov.b64 db, {%10, %11};\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, da, db, p, 1, 1, %13, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(accumulate), "n"(kTransposeA));
 }
 
 // The FP32 accumulators of an m64n256 (128 a thread) and an m64n128 (64) wgmma: their register list in

@@ -14,8 +14,9 @@
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --ablate: only the
 //   dsv3_2 H=128 rows of --headline (decode and prefill variant at T=128, prefill T=4096), for builds
-//   that leave a stage of the kernel out to see what it costs; --h16: the 16-head portable tile at
-//   tensor-parallel shard shapes (T=1..128, H=16/32) over several split counts; --profile: see below.
+//   that leave a stage of the kernel out to see what it costs; --h16: the 16-head tiles (portable, and
+//   the Hopper family's where it exists) at tensor-parallel shard shapes (T=1..128, H=16/32) over
+//   several split counts; --profile: see below. Every 16-head plan runs on both families' tiles.
 // JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
 // dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
 #include <cuda_runtime.h>
@@ -572,6 +573,12 @@ void run_case(DeviceProblem& d, const Plan& plan, const std::vector<int64_t>& to
               row.errors.first_bad.c_str(), reps > 0 ? (std::to_string(row.micros) + " us").c_str() : "");
   std::fflush(stdout);
   g_rows.push_back(row);
+  // Every 16-head plan also runs on the Hopper family's 16-head tile where it exists (same checks, and
+  // the same timing beside the portable tile).
+  if (!plan.hopper && plan.heads_per_block == 16 && g_hopper_device &&
+      cuda::find_kernel(cuda::Family::kHopper, d.pr.format, 16) != nullptr) {
+    run_case(d, on_hopper(plan), tokens, reps);
+  }
 }
 
 int round_up(int a, int b) { return (a + b - 1) / b * b; }
@@ -713,12 +720,12 @@ int main(int argc, char** argv) {
     release(d1);
     return g_failed ? 1 : 0;
   }
-  if (mode == "--h16") {  // the 16-head portable tile at the tensor-parallel shard shapes, several split counts
+  if (mode == "--h16") {  // the 16-head tiles at the tensor-parallel shard shapes, several split counts
     const Fp8Table fp8;
     HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
     struct Shape { int64_t tokens; int heads; std::vector<int> splits; };
-    for (const Shape& sh : {Shape{128, 16, {2, 3, 4, 6}}, Shape{128, 32, {2, 3, 4}}, Shape{32, 16, {4, 8, 12}},
-                            Shape{1, 16, {32, 64}}}) {
+    for (const Shape& sh : {Shape{128, 16, {1, 2, 3, 4}}, Shape{128, 32, {1, 2, 3}}, Shape{32, 16, {2, 4, 8}},
+                            Shape{1, 16, {16, 32, 64}}}) {
       const std::string name = "dsv3_2 T=" + std::to_string(sh.tokens) + " H=" + std::to_string(sh.heads) + " k=2048";
       Problem pr{name, FormatId::kDsv32, sh.tokens, sh.heads, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
       DeviceProblem d = make_problem(pr, &cache, nullptr, 31);
@@ -730,14 +737,14 @@ int main(int argc, char** argv) {
     HostCache dsv4 = build_cache(f4, 4096, 64, 576, 64 * 584, 4, fp8);
     Problem pr4{"dsv4 T=128 H=16 k=2048", FormatId::kDsv4, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
     DeviceProblem d4 = make_problem(pr4, &dsv4, nullptr, 32);
-    for (int splits : {2, 3, 4}) run_case(d4, decode_plan(16, 2048, splits), {0, 127}, 15);
+    for (int splits : {1, 2, 3}) run_case(d4, decode_plan(16, 2048, splits), {0, 127}, 15);
     release(d4);
     cudaFree(dsv4.device);
     const FormatTraits& fp4 = format_traits(FormatId::kDsv4Nvfp4);  // the same shape at 0.66x the bytes
     HostCache nvfp4 = build_cache(fp4, 4096, 64, fp4.data_row_bytes, 64 * fp4.bytes_per_token, 5, fp8);
     Problem prf{"dsv4_nvfp4 T=128 H=16 k=2048", FormatId::kDsv4Nvfp4, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
     DeviceProblem df = make_problem(prf, &nvfp4, nullptr, 33);
-    for (int splits : {2, 3, 4}) run_case(df, decode_plan(16, 2048, splits), {0, 127}, 15);
+    for (int splits : {1, 2, 3}) run_case(df, decode_plan(16, 2048, splits), {0, 127}, 15);
     release(df);
     cudaFree(nvfp4.device);
     for (const Row& r : g_rows) {
