@@ -25,6 +25,9 @@ def test_soak_dry_run_checks_every_other_launch(tmp_path):
     assert code == 0, summary
     assert summary["launches"] == 6 and summary["checks"] == 3 and summary["failures"] == 0
     assert set(summary["formats"]) == set(jsm.FORMATS)  # every format has CUDA kernels, FP4 included
+    # The kernel tile each configuration's plan runs on, counted once a configuration.
+    assert sum(summary["kernels"].values()) == summary["configs"]
+    assert all(k.split()[0] in ("portable", "hopper", "cpu_reference") for k in summary["kernels"])
 
 
 def test_soak_refuses_to_run_without_a_gpu(capsys):

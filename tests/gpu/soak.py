@@ -163,7 +163,7 @@ def main(argv=None):
     watchdog = Watchdog(args.hang_seconds, lambda: json.dumps(current))
     per_config = -(-args.launches // args.configs)
     launches = checks = 0
-    failures, variants = [], {}
+    failures, variants, kernels = [], {}, {}
     start = time.monotonic()
     for c in range(args.configs):
         config = draw_config(rng, formats, impls)
@@ -179,6 +179,8 @@ def main(argv=None):
         plan = jsm.plan(case.q.shape, jsm.get_format(config["key"]), config["topk"] + config["extra_topk"],
                         platform="cuda", impl=config["impl"])
         variants[plan.variant] = variants.get(plan.variant, 0) + 1
+        kernel = f"{plan.family} h{plan.heads_per_block}"  # the kernel tile the plan runs on
+        kernels[kernel] = kernels.get(kernel, 0) + 1
         base_key = jax.random.PRNGKey(args.seed * 100003 + c)
         for i in range(per_config):
             current = {"config": c, "launch": i, **config, "variant": plan.variant}
@@ -197,11 +199,11 @@ def main(argv=None):
         print(f"config {c:3d} {config['key']:10s} T={config['tokens']:3d} H={config['heads']:3d} "
               f"topk={config['topk']:4d} page={config['page_size']:2d} extra={config['extra_topk']:3d} "
               f"{config['extra_key'] if config['extra_topk'] else '':10s} "
-              f"sink={int(config['sink'])} {plan.variant:7s} launches={launches}", flush=True)
+              f"sink={int(config['sink'])} {plan.variant:7s} {kernel:12s} launches={launches}", flush=True)
         if launches >= args.launches:
             break
     summary = dict(launches=launches, checks=checks, failures=len(failures), configs=c + 1, variants=variants,
-                   formats=formats, seconds=round(time.monotonic() - start, 1), first_failures=failures[:5])
+                   kernels=kernels, formats=formats, seconds=round(time.monotonic() - start, 1), first_failures=failures[:5])
     print("soak:", json.dumps(summary, default=str), flush=True)
     if args.out:
         with open(args.out, "w") as f:

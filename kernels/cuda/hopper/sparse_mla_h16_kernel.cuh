@@ -33,6 +33,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using Loader = TileLoaderOf<typename Cfg::Geometry>;
   constexpr int kN = Cfg::kCandidateTile;  // candidates of a tile: wgmma M of Sᵀ
   constexpr int kH = Cfg::kHeadTile;       // heads: wgmma N
+  static_assert(kH == 16, "a thread's accumulator columns are four heads of an m64n16 tile (column() below)");
+  static_assert(Cfg::kConsumerThreads == 128 && Cfg::kExchangeBytes == 4 * kH * 4,
+                "one consumer warpgroup: four warps of 16 accumulator rows, the exchange one row per warp");
+  static_assert(kN * 2 == Cfg::kAtomBytes && Cfg::kPBytes == kH * Cfg::kAtomBytes,
+                "a head's P row is one 128-byte swizzle row of the tile's 64 candidates");
+  static_assert(Cfg::kOutRegisters == 8 * Cfg::kDvBlocks, "Oᵀ is one m64n16 accumulator block per 64 d_v lanes");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* const smem = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
   uint8_t* const q_smem = smem + Cfg::kQOffset;
