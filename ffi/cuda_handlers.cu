@@ -172,6 +172,11 @@ ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, int64_t
 
 // ---------------------------------------------------------------------------------- launch
 
+// Candidate positions per split: the decode plan's split size, or a prefill plan's whole list.
+int64_t positions_per_split(const PlanAttributes& plan, const AttentionParams& a) {
+  return plan.decode() ? plan.split_size : static_cast<int64_t>(a.main.topk) + a.extra.topk;
+}
+
 // Compute capability from which the split merge is launched as the split kernel's programmatic
 // dependent (its blocks start while the split kernel finishes).
 constexpr int kDependentLaunchCapability = 90;
@@ -182,7 +187,7 @@ ffi::Error launch(const KernelInfo& kernel, const FormatTraits& f, const PlanAtt
   const AttentionParams& a = params.attn;
   params.num_head_tiles = (a.num_heads + plan.heads_per_block - 1) / plan.heads_per_block;
   params.num_splits = plan.decode() ? plan.num_splits : 1;
-  params.split_size = plan.decode() ? plan.split_size : a.main.topk + a.extra.topk;
+  params.split_size = static_cast<int32_t>(positions_per_split(plan, a));
   if (plan.decode()) {
     params.workspace = cuda::SplitWorkspace::carve(workspace, plan.num_splits, a.num_tokens, a.num_heads, f.d_v);
   }
@@ -230,9 +235,8 @@ ffi::Error SparseMlaCuda(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::Any
   if (error = check_plan(*format, params.attn, plan, workspace_data, workspace_bytes); error.failure()) return error;
   const KernelInfo* kernel = nullptr;
   DeviceFacts device;
-  const int64_t positions_per_split =
-      plan.decode() ? plan.split_size : static_cast<int64_t>(params.attn.main.topk) + params.attn.extra.topk;
-  if (error = select_kernel(*format, heads_per_block, positions_per_split, &kernel, &device); error.failure()) {
+  if (error = select_kernel(*format, heads_per_block, positions_per_split(plan, params.attn), &kernel, &device);
+      error.failure()) {
     return error;
   }
   if (params.attn.num_tokens == 0) return ffi::Error::Success();  // never launch an empty grid

@@ -142,8 +142,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
       convert_units<false>(units, 0, kUnitsPerThread, scale_slot, sub, store);
     }
   }
-  // The last unit index i that every thread of a row loads (a register load_staged always fills).
-  static constexpr int kLastCommonUnit = kUnits / kThreadsPerRow - 1;
 
   // kExactScales only: writes row `row`'s mantissas and ratios (1 for a masked row, whose tile row
   // is zero) into `factors` (kFactorFloats floats); called by one thread per row.
