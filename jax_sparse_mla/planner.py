@@ -47,20 +47,22 @@ class CostModel:
     ``co_residency_gain`` (``resident`` blocks) with ``c``, and the last blocks add a tail of
     ``tail`` block times: ``launch_us + blocks * per_block / (sm_count * throughput) + tail * per_block``.
     Many small blocks thus shorten the tail at the price of ``block_us`` each. The decode combine
-    streams the partial results at ``combine_gbps``. The defaults were fitted on an H200 by
-    :func:`jax_sparse_mla.calibration.calibrate` (which runs the Hopper kernels for 64-head tiles and
-    the portable ones for 16-head tiles there); calibrating fits them per device.
+    streams the partial results at ``combine_gbps``. The defaults were fitted on an H200 to a sweep
+    that timed every plan of a grid of shapes (``benchmarks/planner_sweep.py --refit``);
+    :func:`jax_sparse_mla.calibration.calibrate` fits them per device.
     """
 
-    # Fitted by calibrate() on an H200 (sm_90, 132 SMs) with the queued-call timing method (32 scan
-    # steps per call for T <= 16, so the host's dispatch does not set the pace), rounded.
-    launch_us: float = 4.9  # per launch
-    block_us: float = 0.32
-    dequant_ns: float = 65.2  # gather + FP8 -> BF16 conversion of one candidate row by one block
-    mma_ns_per_head: float = 0.0  # S = Q·Kᵀ and O += P·V of one candidate for one head (hidden on H200)
-    co_residency_gain: float = 1.33  # throughput of `resident` co-resident blocks over one
-    combine_gbps: float = 1531.0
-    tail: float = 0.0  # the last wave's imbalance, in block times
+    # Fitted on an H200 (sm_90, 132 SMs) to a planner sweep of the current kernels (every plan of the
+    # sweep's grid timed with the queued-call method, 32 scan steps per call for T <= 16), rounded: the
+    # picks are within 2% of the best timed plan on all 21 shapes and their predicted times within 16% of
+    # the measured ones (benchmarks/results/planner_sweep.md).
+    launch_us: float = 3.31  # per launch
+    block_us: float = 2.55
+    dequant_ns: float = 35.9  # gather + FP8 -> BF16 conversion of one candidate row by one block
+    mma_ns_per_head: float = 0.1  # S = Q·Kᵀ and O += P·V of one candidate for one head (mostly hidden on H200)
+    co_residency_gain: float = 2.44  # throughput of `resident` co-resident blocks over one
+    combine_gbps: float = 1160.0
+    tail: float = 0.118  # the last wave's imbalance, in block times
 
     def block_time_us(self, candidates_per_block: int, head_tile: int) -> float:
         """One block alone on an SM."""
