@@ -9,10 +9,11 @@
 // multiply-add each), and the group sums are added in group order. The narrow shape gives each of its
 // kMergeGroups thread groups one merge group (sums through shared memory) and splits a row over
 // d_v / (4 kNarrowCombineLanes) blocks, so few rows — a T = 1 call — still spread over many SMs; the
-// wide shape walks all merge groups in one thread, one block per row. Both produce the same bits, so
-// combine.cu may pick the shape (and the loads in flight) from the row count without changing any
-// result: bitwise reproducible, no atomics, and a batch-invariant plan gives every row the same bits at
-// every T. The kernel is launched as the programmatic dependent of the split kernel and waits for it
+// wide shape walks all merge groups in one thread, one block per row; the warp shape (at most
+// kMergeGroups splits) gives a row to one warp, with no block barrier. All produce the same bits, so
+// combine.cu may pick the shape (and the loads in flight) from the row and split counts without
+// changing any result: bitwise reproducible, no atomics, and a batch-invariant plan gives every row the
+// same bits at every T. The kernel is launched as the programmatic dependent of the split kernel and waits for it
 // before it reads the workspace. Shared by every kernel family.
 #pragma once
 
@@ -231,6 +232,79 @@ __global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlock
     *out = make_uint2(pack_bf16x2(total.x, total.y), pack_bf16x2(total.z, total.w));
     if (blockIdx.y == 0 && threadIdx.x == 0) p.lse[row] = lse;
   }
+}
+
+// The warp shape, for plans of at most kMergeGroups splits (so every merge group holds at most one
+// split): one warp per (token, head) row, kWarps rows a block, no shared memory and no block barrier.
+// It adds in the order of combine_splits_kernel's few-splits path and reduces the splits' lse values
+// as its block_reduce does (lane s holds split s; the block's other warps would add +0), so the bits
+// are the same. A lane holds float4 columns 4 (lane + 32 j) of every split, all loads in flight before
+// the lse reduction.
+template <int kDv, int kWarps, int kMaxSplits>
+__global__ void __launch_bounds__(32 * kWarps) combine_rows_by_warp_kernel(const __grid_constant__ CombineParams p) {
+  static_assert(kMaxSplits <= kMergeGroups && kMaxSplits <= 32, "one split per merge group and per lane");
+  static_assert(kDv % 128 == 0, "a warp covers a row in whole float4 runs");
+  constexpr int kRuns = kDv / 128;  // float4 columns per lane
+  static_assert(kMaxSplits * kRuns <= 32, "a lane's partial loads fit its registers (128; more spill)");
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // token * H + head
+  if (row >= p.num_tokens * p.num_heads) return;  // whole warps
+  const int64_t token = row / p.num_heads;
+  const int head = static_cast<int>(row % p.num_heads);
+  uint2* const out = reinterpret_cast<uint2*>(p.out + row * kDv);
+  // Padding rows first, before waiting for the split kernel (as combine_splits_kernel).
+  if (token >= valid_token_count(p.valid_tokens, p.num_tokens)) {
+#pragma unroll
+    for (int j = 0; j < kRuns; ++j) out[lane + 32 * j] = make_uint2(0, 0);
+    if (lane == 0) p.lse[row] = -INFINITY;
+    return;
+  }
+  wait_for_prerequisite_grid();
+
+  float4 part[kMaxSplits][kRuns];
+#pragma unroll
+  for (int s = 0; s < kMaxSplits; ++s) {
+    const float4* const partial = reinterpret_cast<const float4*>(
+        p.workspace.partial_out + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv);
+#pragma unroll
+    for (int j = 0; j < kRuns; ++j) part[s][j] = s < p.num_splits ? partial[lane + 32 * j] : make_float4(0, 0, 0, 0);
+  }
+  const float split_lse = lane < p.num_splits
+                              ? p.workspace.partial_lse[SplitWorkspace::row(lane, token, head, p.num_tokens, p.num_heads)]
+                              : -INFINITY;
+  float max_lse = split_lse;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
+  float sum = (max_lse != -INFINITY && lane < p.num_splits) ? expf(split_lse - max_lse) : 0.0f;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  const float splits_lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
+  const float lse = lse_with_sink(splits_lse, p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY);
+  const float own_weight = state_weight(split_lse, lse);
+
+  float4 total[kRuns];
+#pragma unroll
+  for (int s = 0; s < kMaxSplits; ++s) {
+    const float weight = __shfl_sync(0xffffffffu, own_weight, s);
+    if (s >= p.num_splits) break;
+#pragma unroll
+    for (int j = 0; j < kRuns; ++j) {
+      const float4 value = weight != 0.0f ? part[s][j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 group_total = make_float4(fmaf(weight, value.x, 0.0f), fmaf(weight, value.y, 0.0f),
+                                             fmaf(weight, value.z, 0.0f), fmaf(weight, value.w, 0.0f));
+      if (s == 0) {
+        total[j] = group_total;
+      } else {
+        add_float4(total[j], group_total);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kRuns; ++j) {
+    for (int g = p.num_splits; g < kMergeGroups; ++g) add_float4(total[j], make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+    out[lane + 32 * j] = make_uint2(pack_bf16x2(total[j].x, total[j].y), pack_bf16x2(total[j].z, total[j].w));
+  }
+  if (lane == 0) p.lse[row] = lse;
 }
 
 }  // namespace jsmla::cuda

@@ -208,16 +208,21 @@ def test_deterministic_over_ten_runs(rng, impl):
 
 
 @gpu
-@pytest.mark.parametrize("topk", [600, 2500])  # 3 splits (one split group per row), 10 (a row over blocks)
+# The split merge's block shapes follow the row and split counts (kernels/cuda/combine.cu) and must give
+# the same bits: 1 and 5 tokens take the narrow shape (a row over several blocks), 17 tokens at 16 heads
+# and 64 tokens the warp shape (at most 8 splits; for d_v = 1024 at most 4) or the wide one (more).
+@pytest.mark.parametrize("key,topk", [("dsv3_2", 600), ("dsv3_2", 2500), ("dsv3_2", 1900), ("dots3_swa", 1000),
+                                      ("dots3_swa", 2000)])  # 3, 10, 8, 4 and 8 splits
 @pytest.mark.parametrize("num_heads", [16, 128])  # 128: the Hopper kernels on an sm_90 GPU
-def test_batch_invariant_token_output_does_not_depend_on_batch(rng, num_heads, topk):
-    case = cases.make_case(rng, "dsv3_2", num_tokens=64, num_heads=num_heads, topk=topk, cache_tokens=8192,
+def test_batch_invariant_token_output_does_not_depend_on_batch(rng, key, num_heads, topk):
+    case = cases.make_case(rng, key, num_tokens=64, num_heads=num_heads, topk=topk, cache_tokens=8192,
                            topk_length=None, invalid_fraction=0.0, poison=False)
+    d_qk = jsm.get_format(key).d_qk
     for tokens in (1, 64):
-        plan = jsm.plan((tokens, num_heads, 576), "dsv3_2", topk, platform="cuda", batch_invariant=True)
+        plan = jsm.plan((tokens, num_heads, d_qk), key, topk, platform="cuda", batch_invariant=True)
         assert plan.num_splits == -(-topk // planner.BATCH_INVARIANT_SPLIT_SIZE)
     q, cache, indices = jnp.asarray(case.q), jnp.asarray(case.main.array), jnp.asarray(case.indices)
-    run = jax.jit(lambda q, i: jsm.sparse_mla(q, cache, i, kv_format="dsv3_2", sm_scale=0.05,
+    run = jax.jit(lambda q, i: jsm.sparse_mla(q, cache, i, kv_format=key, sm_scale=0.05,
                                               batch_invariant=True))
     full = run(q, indices)
     for rows in (1, 5, 17):
