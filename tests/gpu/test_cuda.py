@@ -64,7 +64,7 @@ def test_every_format_matches_oracle_sanitize(rng, key, impl):
 def test_hopper_formats_match_oracle_sanitize(rng, key, impl):
     """Two 64-head tiles (the Hopper family on an sm_90 GPU, the portable one elsewhere), a ragged
     candidate list with masked slots and a sink."""
-    tokens, topk = (3, 512) if impl == "decode" else (32, 128)
+    tokens, topk = (6, 512) if impl == "decode" else (32, 128)
     assert jsm.plan((tokens, 128, jsm.get_format(key).d_qk), key, topk, platform="cuda",
                     impl=impl).heads_per_block == 64
     case = cases.make_case(rng, key, num_tokens=tokens, num_heads=128, topk=topk,
