@@ -66,16 +66,12 @@ def table(device_name, kv_format, topk, rows, constants, default_constants) -> s
     return "\n".join(lines) + "\n"
 
 
-def planner_module():
-    from jax_sparse_mla import planner
-
-    return planner
-
-
 def judge(data, model):
     """Each recorded shape with ``model``'s pick, its measured and predicted µs; None if a pick was not
     timed in the run."""
-    device = planner_module().DEFAULT_CUDA_DEVICE
+    from jax_sparse_mla import planner
+
+    device = planner.DEFAULT_CUDA_DEVICE
     kv_format, topk = data.get("kv_format", "dsv3_2"), data.get("topk", 2048)
     rows = []
     for r in data["rows"]:
@@ -95,14 +91,14 @@ CALIBRATED_ONLY = ("co_residency_gain",)
 
 
 def refit(data, tries, seed=0):
-    """The constants, among ``tries`` log-normal perturbations of the run's calibrated ones (but
-    CALIBRATED_ONLY), whose picks
-    are within 10% of the best on the most shapes, then with the smallest max + mean |log(predicted /
-    measured)| over the picks."""
+    """The constants, among ``tries`` log-normal perturbations of the run's calibrated ones (all but
+    CALIBRATED_ONLY), whose picks are within 10% of the best on the most shapes, then with the smallest
+    max + mean |log(predicted / measured)| over the picks."""
     import math
     import random
 
-    planner = planner_module()
+    from jax_sparse_mla import planner
+
     rng = random.Random(seed)
     start = planner.CostModel.from_dict(data["constants"]).to_dict()
     best = None
@@ -122,7 +118,8 @@ def refit(data, tries, seed=0):
 def replay(path, tries):
     """The built-in constants' picks on a recorded sweep (every choice was timed there); with ``tries``,
     those of the best refitted constants instead."""
-    planner = planner_module()
+    from jax_sparse_mla import planner
+
     data = json.load(open(path))
     model = planner.CostModel()
     if tries:
