@@ -114,24 +114,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // Q of the 16 heads → shared memory (rows past H are zero), every chunk's cp.async in flight at once.
   {
-    constexpr int kChunksPerRow = Cfg::kDqk / 8;
-    constexpr int kChunksPerThread = kH * kChunksPerRow / Cfg::kConsumerThreads;
-    static_assert(kH * kChunksPerRow % Cfg::kConsumerThreads == 0, "every consumer thread copies as many Q chunks");
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const int c = consumer_thread + i * Cfg::kConsumerThreads;
-      const int row = c / kChunksPerRow;
-      const int dim = (c % kChunksPerRow) * 8;
-      const int head = head_begin + row;
-      uint8_t* const chunk = q_smem + swizzled_offset(row, dim, kH);
-      if (head < num_heads) {
-        cp_async_16(chunk, a.q + (token * num_heads + head) * Cfg::kDqk + dim);
-      } else {
-        *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
-      }
-    }
-    cp_async_commit();
-    cp_async_wait_all();
+    copy_q_rows<kH, Cfg::kDqk, Cfg::kConsumerThreads>(q_smem, a.q, token, num_heads, head_begin, consumer_thread);
     fence_proxy_async_shared();
     named_barrier_sync(Cfg::kConsumerBarrier, Cfg::kConsumerThreads);
   }

@@ -183,25 +183,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // Q of the 64-head tile → shared memory (rows past H are zero). Every 16-byte chunk's cp.async is
   // in flight at once, so the load costs one round trip (the handler checks that q is 16-byte aligned).
   {
-    constexpr int kChunksPerRow = Cfg::kDqk / 8;
     constexpr int kConsumerThreads = 128 * Cfg::kConsumerGroups;
-    constexpr int kChunksPerThread = Cfg::kHeadTile * kChunksPerRow / kConsumerThreads;
-    static_assert(Cfg::kHeadTile * kChunksPerRow % kConsumerThreads == 0, "every consumer copies as many Q chunks");
-#pragma unroll
-    for (int i = 0; i < kChunksPerThread; ++i) {
-      const int c = consumer_thread + i * kConsumerThreads;
-      const int row = c / kChunksPerRow;
-      const int dim = (c % kChunksPerRow) * 8;
-      const int head = head_begin + row;
-      uint8_t* const chunk = q_smem + swizzled_offset(row, dim, Cfg::kHeadTile);
-      if (head < num_heads) {
-        cp_async_16(chunk, a.q + (token * num_heads + head) * Cfg::kDqk + dim);
-      } else {
-        *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
-      }
-    }
-    cp_async_commit();
-    cp_async_wait_all();
+    copy_q_rows<Cfg::kHeadTile, Cfg::kDqk, kConsumerThreads>(q_smem, a.q, token, num_heads, head_begin,
+                                                             consumer_thread);
     fence_proxy_async_shared();
     named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
   }

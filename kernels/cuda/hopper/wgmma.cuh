@@ -1,6 +1,7 @@
 // PTX wrappers of the Hopper family (sm_90a only): shared-memory matrix descriptors, the wgmma
 // shapes the kernels issue, wgmma fences and groups, the generic→async proxy fence and register
-// reallocation. Every wrapper is `asm volatile`, so the compiler keeps their order.
+// reallocation. Every wrapper is `asm volatile`, so the compiler keeps their order. Also the swizzled
+// operand layout both Hopper kernels write Q in, and their Q copy into it.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +46,34 @@ JSMLA_DEVICE SmemDescriptor smem_descriptor(const void* start, uint32_t leading,
 // 64-column blocks of rows × 128 bytes; the 16-byte chunk c of row r sits at chunk c ^ (r % 8).
 JSMLA_DEVICE int swizzled_offset(int row, int dim, int rows) {
   return (dim / 64) * rows * 128 + row * 128 + ((((dim % 64) / 8) ^ (row % 8)) * 16);
+}
+
+// Copies the Q rows [head_begin, head_begin + kRows) of `token` (rows past num_heads are zero) into a
+// 128-byte swizzled operand at q_smem with kThreads threads (`thread` of them), every 16-byte chunk's
+// cp.async in flight at once (one round trip; the handler checks that q is 16-byte aligned), and waits
+// for this thread's copies. The caller then fences them into the async proxy and meets the other
+// copying threads at a barrier.
+template <int kRows, int kDqk, int kThreads>
+JSMLA_DEVICE void copy_q_rows(uint8_t* q_smem, const uint16_t* q, int64_t token, int num_heads, int head_begin,
+                              int thread) {
+  constexpr int kChunksPerRow = kDqk / 8;
+  constexpr int kChunksPerThread = kRows * kChunksPerRow / kThreads;
+  static_assert(kRows * kChunksPerRow % kThreads == 0, "every copying thread copies as many Q chunks");
+#pragma unroll
+  for (int i = 0; i < kChunksPerThread; ++i) {
+    const int c = thread + i * kThreads;
+    const int row = c / kChunksPerRow;
+    const int dim = (c % kChunksPerRow) * 8;
+    const int head = head_begin + row;
+    uint8_t* const chunk = q_smem + swizzled_offset(row, dim, kRows);
+    if (head < num_heads) {
+      cp_async_16(chunk, q + (token * num_heads + head) * kDqk + dim);
+    } else {
+      *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  cp_async_commit();
+  cp_async_wait_all();
 }
 
 JSMLA_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
