@@ -10,7 +10,9 @@
 #                                                 # under a watchdog, every 100th checked on the CPU)
 #   bash benchmarks/gpu_session.sh bench          # build + GPU smoke tier + the full benchmark grid
 #   bash benchmarks/gpu_session.sh release        # build + benchmark grid + full tier + planner sweep
-#   bash benchmarks/gpu_session.sh sweep          # build + calibrate + planner sweep
+#   bash benchmarks/gpu_session.sh sweep          # build + calibrate + planner sweep(s) (JSMLA_SWEEP_SPECS:
+#                                                 # ";"-separated planner_sweep.py arguments, one sweep each;
+#                                                 # JSMLA_SWEEP_SMOKE=1: the smoke tier first)
 #   bash benchmarks/gpu_session.sh multi          # build + the multi-GPU sharding tests + bench_sharded.py
 #   JSMLA_WHEEL=dist/<wheel> bash benchmarks/gpu_session.sh wheel
 #                                                 # no build: the given wheel installed with nvcc off PATH,
@@ -193,7 +195,7 @@ case "$mode" in
     timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu_full ${JSMLA_FULL_FILTER:+-k "$JSMLA_FULL_FILTER"} \
       "$repo/tests" > "$out/tests_full.log" 2>&1 || status=1
     tail -3 "$out/tests_full.log"
-    timeout 150 python3 "$repo/benchmarks/planner_sweep.py" --out_dir "$out" > "$out/sweep.log" 2>&1 || status=1
+    timeout 400 python3 "$repo/benchmarks/planner_sweep.py" --out_dir "$out" > "$out/sweep.log" 2>&1 || status=1
     tail -16 "$out/sweep.log"
     (cd "$out" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
     ;;
@@ -204,10 +206,20 @@ case "$mode" in
     tail -20 "$out/bench.log"
     ;;
   sweep)
-    timeout "${JSMLA_SWEEP_TIMEOUT:-300}" python3 "$repo/benchmarks/planner_sweep.py" --out_dir "$out" > "$out/sweep.log" 2>&1 \
-      || status=1
-    grep -E "^calibrated:" "$out/sweep.log"
-    tail -14 "$out/sweep.log"
+    # JSMLA_SWEEP_SPECS: sweeps separated by ";", each a planner_sweep.py argument list (default: the
+    # dsv3_2 grid); sweep i writes $out/sweep<i>/ and $out/sweep<i>.log. JSMLA_SWEEP_SMOKE=1: the smoke
+    # tier first.
+    if [ "${JSMLA_SWEEP_SMOKE:-0}" = 1 ]; then run_tests -m "gpu and not gpu_full" || status=1; fi
+    IFS=';' read -ra sweep_specs <<< "${JSMLA_SWEEP_SPECS:-}"
+    [ ${#sweep_specs[@]} = 0 ] && sweep_specs=("")
+    for i in "${!sweep_specs[@]}"; do
+      # shellcheck disable=SC2086  # a spec is a list of arguments
+      timeout "${JSMLA_SWEEP_TIMEOUT:-300}" python3 "$repo/benchmarks/planner_sweep.py" --out_dir "$out/sweep$i" \
+        ${sweep_specs[$i]} > "$out/sweep$i.log" 2>&1 || status=1
+      echo "sweep $i (${sweep_specs[$i]:-dsv3_2 grid}):"
+      grep -E "^calibrated:" "$out/sweep$i.log"
+      tail -14 "$out/sweep$i.log"
+    done
     ;;
   compare)
     if [ "${JSMLA_COMPARE_TESTS:-1}" = 1 ]; then  # the smoke tier (0: skip it, for a benchmark-only call)

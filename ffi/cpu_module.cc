@@ -9,6 +9,7 @@
 #include "kernels/common/contract.h"
 #include "kernels/common/formats.h"
 #include "kernels/cuda/backward_workspace.h"
+#include "kernels/cuda/combine_shape.h"
 #include "kernels/cuda/kernel_table.h"
 
 namespace nb = nanobind;
@@ -127,4 +128,29 @@ NB_MODULE(_cpu_ext, m) {
       nb::arg("max_shared_bytes"), nb::arg("hopper_compiled"),
       "The CUDA family that runs a plan's (format, head tile, split size) on a device, as the CUDA handler "
       "chooses it (JSMLA_CUDA_FAMILY read now).");
+  m.def(
+      "row_conversion",
+      [](int format_id) {
+        if (format_id < 0 || format_id >= jsmla::kNumFormats) throw nb::value_error("unknown format id");
+        switch (jsmla::row_conversion(jsmla::format_traits(static_cast<jsmla::FormatId>(format_id)))) {
+          case jsmla::RowConversion::kConverted: return "converted";
+          case jsmla::RowConversion::kExactScales: return "exact_scales";
+          case jsmla::RowConversion::kDirect: return "direct";
+        }
+        return "converted";
+      },
+      nb::arg("format_id"), "How the CUDA kernels turn a format's rows into MMA operands (kernels/common/formats.h).");
+  m.def(
+      "combine_shape",
+      [](int64_t rows, int num_splits, int d_v, int sm_count) {
+        switch (jsmla::cuda::choose_combine_shape(rows, num_splits, d_v, sm_count)) {
+          case jsmla::cuda::CombineShape::kNarrow: return "narrow";
+          case jsmla::cuda::CombineShape::kWarp: return "warp";
+          case jsmla::cuda::CombineShape::kWide: return "wide";
+        }
+        return "wide";
+      },
+      nb::arg("rows"), nb::arg("num_splits"), nb::arg("d_v"), nb::arg("sm_count"),
+      "The block shape of the split-K combine of `rows` (token, head) rows over `num_splits` splits on "
+      "`sm_count` SMs, as the CUDA launch chooses it.");
 }

@@ -90,11 +90,13 @@ def parser() -> argparse.ArgumentParser:
                       help="timed calls per shape; the median is printed (default: %(default)s)")
     calibrate = commands.add_parser(
         "calibrate", help=COMMANDS["calibrate"],
-        description="Times the planner's choices on the local CUDA GPU (about a minute), fits the cost model's "
+        description="Times the planner's choices on the local CUDA GPU (a few minutes), fits the cost model's "
                     "constants and stores them in the calibration file, keyed by device name. Needs a CUDA GPU "
                     "and the CUDA extension.")
-    calibrate.add_argument("--formats", type=_list_of(_format_key, "format keys"), default=["dsv3_2"],
-                           help="comma-separated formats to measure (default: dsv3_2)")
+    calibrate.add_argument("--formats", type=_list_of(_format_key, "format keys"),
+                           default=list(calibration.CALIBRATION_FORMATS),
+                           help="comma-separated formats to measure (default: "
+                                + ",".join(calibration.CALIBRATION_FORMATS) + ": both kernel families)")
     calibrate.add_argument("--heads", type=_list_of(_int_at_least(1), "head counts"), default=[16, 64, 128],
                            help="comma-separated head counts (default: 16,64,128)")
     calibrate.add_argument("--topks", type=_list_of(_int_at_least(1), "index row widths"), default=[2048],

@@ -23,7 +23,7 @@ from . import _ffi, calibration_store, kernel_tables, planner, validate
 from .formats import get_format
 from .timing import RandomCache, median_step_seconds
 
-__all__ = ["calibrate", "CALIBRATION_TOKENS", "calibration_choices", "forced_plan", "time_plan", "time_choice",
+__all__ = ["calibrate", "CALIBRATION_TOKENS", "CALIBRATION_FORMATS", "calibration_choices", "forced_plan", "time_plan", "time_choice",
            "fit_cost_model", "measure_cost_model"]
 
 _STEPS = 8
@@ -76,17 +76,24 @@ def time_choice(cache: RandomCache, tokens: int, heads: int, topk: int, variant:
 #: Token counts of the calibration shapes (the planner sweep checks the fit on other shapes).
 CALIBRATION_TOKENS = (4, 32, 256)
 #: Constants the fit adjusts, with how each is kept in range (log, log of (x - 1), logit).
-_FIT_PARAMETERS = (("launch_us", "log"), ("block_us", "log"), ("dequant_ns", "log"), ("mma_ns_per_head", "log"),
-                   ("co_residency_gain", "log1"), ("combine_gbps", "log"), ("tail", "logit"))
+_FIT_PARAMETERS = (("launch_us", "log"), ("block_us", "log"), ("dequant_ns", "log"), ("exact_scales_row_ns", "log"),
+                   ("direct_row_ns", "log"), ("portable_block_us", "log"), ("portable_dequant_ns", "log"),
+                   ("mma_ns_per_head", "log"), ("co_residency_gain", "log1"), ("combine_gbps", "log"),
+                   ("warp_combine_gbps", "log"), ("tail", "logit"))
+#: Constants only the plans of one kernel family (and row conversion) time: the fit holds each at its
+#: default unless a sample runs such a plan.
+_FIT_CLASSES = {"block_us": ("hopper", None), "dequant_ns": ("hopper", "converted"),
+                "exact_scales_row_ns": ("hopper", "exact_scales"), "direct_row_ns": ("hopper", "direct"),
+                "portable_block_us": ("portable", None), "portable_dequant_ns": ("portable", None)}
 
 
 def calibration_choices(tokens: int, heads: int, kv_format: str):
     """(variant, head tile, splits) timed for one calibration shape."""
     # Few tokens: the planner's whole split range (the combine of 48-64 splits is not extrapolated).
     splits = (2, 4, 8) if tokens >= 256 else (2, 4, 8, 16) if tokens > 4 else (2, 4, 8, 16, 32, 64)
+    # Every head tile, also those wider than H: the planner weighs them all (a wide Hopper tile can beat
+    # a portable narrow one).
     for tile in kernel_tables.HEAD_TILES[kv_format]:
-        if tile > max(heads, kernel_tables.HEAD_TILES[kv_format][0]):
-            continue
         yield ("prefill", tile, 1)
         for s in splits:
             yield ("decode", tile, s)
@@ -94,25 +101,27 @@ def calibration_choices(tokens: int, heads: int, kv_format: str):
 
 #: Starting points of the fit: the built-in defaults and a point with every term active.
 _FIT_STARTS = (planner.CostModel(),
-               planner.CostModel(launch_us=10.0, block_us=1.0, dequant_ns=80.0, mma_ns_per_head=0.5,
-                                 co_residency_gain=1.5, combine_gbps=1500.0, tail=0.2))
+               planner.CostModel(launch_us=10.0, block_us=1.0, dequant_ns=80.0, exact_scales_row_ns=80.0,
+                                 direct_row_ns=80.0, portable_block_us=1.0, portable_dequant_ns=80.0,
+                                 mma_ns_per_head=0.5, co_residency_gain=1.5, combine_gbps=1500.0,
+                                 warp_combine_gbps=1500.0, tail=0.2))
 
 
-def _encode(model: planner.CostModel) -> np.ndarray:
+def _encode(model: planner.CostModel, parameters) -> np.ndarray:
     values = []
-    for name, kind in _FIT_PARAMETERS:
+    for name, kind in parameters:
         v = getattr(model, name)
         values.append(np.log(max(v - 1.0, 1e-6)) if kind == "log1" else
                       np.log(max(v, 1e-6) / max(1.0 - v, 1e-6)) if kind == "logit" else np.log(max(v, 1e-9)))
     return np.array(values)
 
 
-def _decode(x: np.ndarray) -> planner.CostModel:
+def _decode(x: np.ndarray, parameters, base: planner.CostModel) -> planner.CostModel:
     values = {}
-    for (name, kind), v in zip(_FIT_PARAMETERS, x):
+    for (name, kind), v in zip(parameters, x):
         v = float(np.clip(v, -40.0, 40.0))
         values[name] = 1.0 + np.exp(v) if kind == "log1" else 1.0 / (1.0 + np.exp(-v)) if kind == "logit" else np.exp(v)
-    return planner.CostModel(**values)
+    return dataclasses.replace(base, **values)
 
 
 def _nelder_mead(f, x0: np.ndarray, iterations: int = 3000, step: float = 0.5) -> np.ndarray:
@@ -146,12 +155,29 @@ def _nelder_mead(f, x0: np.ndarray, iterations: int = 3000, step: float = 0.5) -
     return simplex[int(np.argmin(values))]
 
 
+def _sample_classes(samples, device) -> set:
+    """The (family, row conversion) pairs, and (family, None), of the plans ``samples`` timed."""
+    classes = set()
+    for kv_format, _, _, candidates, variant, tile, splits, _ in samples:
+        split_size = None if variant == "prefill" else planner.split_layout(candidates, splits)[0]
+        family = kernel_tables.kernel_family(kv_format, tile, device.arch, device.smem_per_block,
+                                             _ffi.hopper_compiled(), split_size)
+        classes |= {(family, None), (family, kernel_tables.row_conversion(kv_format))}
+    return classes
+
+
 def fit_cost_model(samples, device) -> planner.CostModel:
     """Least-squares fit (log time) of the model to ``samples``: (kv_format, tokens, heads, candidates,
-    variant, head tile, splits, measured µs) tuples."""
+    variant, head tile, splits, measured µs) tuples. A family's (or row conversion's) constants that no
+    sample's plan exercises keep their defaults (:data:`_FIT_CLASSES`)."""
+    classes = _sample_classes(samples, device)
+    parameters = tuple(p for p in _FIT_PARAMETERS if _FIT_CLASSES.get(p[0], (None, None)) in classes
+                       or p[0] not in _FIT_CLASSES)
+
+    defaults = planner.CostModel()
 
     def loss(x):
-        model = _decode(x)
+        model = _decode(x, parameters, defaults)
         total = 0.0
         for kv_format, tokens, heads, candidates, variant, tile, splits, measured in samples:
             predicted = planner.option_us(model, get_format(kv_format), tokens, heads, candidates, variant, tile,
@@ -161,11 +187,11 @@ def fit_cost_model(samples, device) -> planner.CostModel:
 
     results = []
     for start in _FIT_STARTS:  # the simplex search is local: start from the defaults and a neutral point
-        x = _encode(start)
+        x = _encode(start, parameters)
         for _ in range(3):  # restarts around the best point so far
             x = _nelder_mead(loss, x)
         results.append((loss(x), tuple(x)))
-    return _decode(np.array(min(results)[1]))
+    return _decode(np.array(min(results)[1]), parameters, defaults)
 
 
 def measure_cost_model(device, *, formats, heads, topks, progress: Optional[Callable] = None) -> dict:
@@ -196,14 +222,22 @@ def _inside_trace() -> bool:
     return not core.trace_state_clean() if hasattr(core, "trace_state_clean") else False
 
 
-def calibrate(*, formats: Iterable[str] = ("dsv3_2",), heads: Iterable[int] = (16, 64, 128),
+#: Formats calibrate() times by default, one of each row conversion (kernel_tables.row_conversion):
+#: dsv3_2 (converted rows; its 16-head tile is Hopper too), glm_nsa (exact scales; its 16-head tile is
+#: portable) and bf16_576 (BF16 rows), so together they pin every constant of both families.
+CALIBRATION_FORMATS = ("dsv3_2", "glm_nsa", "bf16_576")
+
+
+def calibrate(*, formats: Iterable[str] = CALIBRATION_FORMATS, heads: Iterable[int] = (16, 64, 128),
               topks: Iterable[int] = (2048,), force: bool = False, progress: Optional[Callable] = None,
               path: Optional[pathlib.Path] = None) -> dict:
     """Measures the local CUDA device and stores its cost-model constants.
 
     Args:
       formats / heads / topks: the shapes to measure (each combination runs a short sweep of split
-        counts and token counts; a few seconds each).
+        counts, token counts and head tiles; a few seconds each). The default formats,
+        :data:`CALIBRATION_FORMATS`, exercise both kernel families; formats without a plan of a family (or of a
+        row conversion) keep that family's (or conversion's) constants at the defaults.
       force: re-measure even when the device already has constants.
       progress: called as ``progress(done, total, label)`` after each measurement (the CLI draws a bar).
       path: the calibration file (default :func:`jax_sparse_mla.calibration_store.calibration_path`).

@@ -28,7 +28,7 @@ __all__ = ["SCHEMA_VERSION", "ENV_CACHE_DIR", "cache_dir", "calibration_path", "
            "store"]
 
 #: Version of the file layout and of the constants' meaning; other versions are ignored.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: Environment variable overriding the directory of the calibration file.
 ENV_CACHE_DIR = "JAX_SPARSE_MLA_CACHE_DIR"
 _FILE_NAME = "calibration.json"

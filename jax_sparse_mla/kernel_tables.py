@@ -29,7 +29,7 @@ from .formats import FORMATS, get_format
 __all__ = ["KernelConfig", "VARIANT_IDS", "MIN_HEADS", "MAX_HEADS", "MIN_TOPK", "SPLIT_GRANULE",
            "MIN_COMPUTE_CAPABILITY", "HOPPER_COMPUTE_CAPABILITY", "FAMILIES", "KERNELS", "HOPPER_KERNELS",
            "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "backward_workspace_bytes", "backward_chunk_tokens",
-           "BACKWARD_CHUNK_BUDGET_BYTES", "kernel_family"]
+           "BACKWARD_CHUNK_BUDGET_BYTES", "kernel_family", "combine_shape", "row_conversion"]
 
 _TABLES = _cpu_ext.kernel_tables()
 
@@ -117,3 +117,17 @@ def kernel_family(kv_format: str, heads_per_block: int, compute_capability: int,
     return _cpu_ext.kernel_family(get_format(kv_format).id, heads_per_block,
                                   2**62 if split_size is None else split_size, compute_capability,
                                   max_shared_bytes, hopper_compiled)
+
+
+def combine_shape(rows: int, num_splits: int, d_v: int, sm_count: int) -> str:
+    """The block shape of a decode plan's split merge, ``"narrow"``, ``"warp"`` or ``"wide"``, as the
+    CUDA launch picks it (``kernels/cuda/combine_shape.h``) for ``rows`` (tokens × heads) rows of
+    ``num_splits`` splits on ``sm_count`` SMs. Every shape sums in the same order: it changes the speed only."""
+    return _cpu_ext.combine_shape(rows, num_splits, d_v, sm_count)
+
+
+def row_conversion(kv_format: str) -> str:
+    """How the CUDA kernels turn a format's rows into MMA operands (``kernels/common/formats.h``):
+    ``"converted"`` (FP8/FP4 lanes to BF16, scales folded in), ``"exact_scales"`` (FP8 with arbitrary
+    FP32 scales, applied per group in FP32) or ``"direct"`` (BF16 rows as stored)."""
+    return _cpu_ext.row_conversion(get_format(kv_format).id)

@@ -40,38 +40,62 @@ class CostModel:
     """Analytic time model of the CUDA kernels, in microseconds.
 
     A block over ``n`` candidates with a head tile of ``h`` heads costs, alone on an SM,
-    ``per_block = block_us + n * (dequant_ns + h * mma_ns_per_head) / 1000``. A launch of at most one
-    block per SM takes ``launch_us + per_block``. A larger launch is work-conserving: the SMs run
+    ``per_block = block_us + n * (row_ns + h * mma_ns_per_head) / 1000`` (:meth:`block_time_us`). Its
+    fixed cost ``block_us`` and its row cost ``row_ns`` (gather and conversion of one candidate row) are
+    the kernel family's: on the Hopper family ``block_us`` and, by the format's row conversion
+    (:func:`jax_sparse_mla.kernel_tables.row_conversion`), ``dequant_ns`` (converted FP8/FP4 rows),
+    ``exact_scales_row_ns`` (FP8 rows with arbitrary FP32 scales) or ``direct_row_ns`` (BF16 rows); on
+    the portable family ``portable_block_us`` and ``portable_dequant_ns``. A device with the Hopper
+    family runs portable-family plans for the head tiles and splits the Hopper tiles lack, so its
+    planner weighs plans of both. A launch of at most one block per SM takes ``launch_us + per_block``. A larger launch is work-conserving: the SMs run
     ``c = min(resident, blocks / sm_count)`` blocks each on average (``resident`` is the kernel's
     occupancy, :func:`resident_blocks`), an SM's throughput grows from 1 (one block) to
     ``co_residency_gain`` (``resident`` blocks) with ``c``, and the last blocks add a tail of
     ``tail`` block times: ``launch_us + blocks * per_block / (sm_count * throughput) + tail * per_block``.
     Many small blocks thus shorten the tail at the price of ``block_us`` each. The decode combine
-    streams the partial results at ``combine_gbps``. The defaults were fitted on an H200 to a sweep
-    that timed every plan of a grid of shapes (``benchmarks/planner_sweep.py --refit``);
-    :func:`jax_sparse_mla.calibration.calibrate` fits them per device.
+    streams the partial results at ``warp_combine_gbps`` in its warp shape and at ``combine_gbps`` in
+    the others (:func:`jax_sparse_mla.kernel_tables.combine_shape` says which runs). The defaults were
+    fitted on an H200 to sweeps that timed every plan of a grid of shapes
+    (``benchmarks/planner_sweep.py --refit``); :func:`jax_sparse_mla.calibration.calibrate` fits them
+    per device.
     """
 
-    # Fitted on an H200 (sm_90, 132 SMs) to a planner sweep of the current kernels (every plan of the
-    # sweep's grid timed with the queued-call method, 32 scan steps per call for T <= 16), rounded: the
-    # picks are within 2% of the best timed plan on all 21 shapes and their predicted times within 17% of
-    # the measured ones (benchmarks/results/planner_sweep.md); co_residency_gain is that run's calibrated
-    # value (the sweep's grid does not pin it).
-    launch_us: float = 3.24  # per launch
-    block_us: float = 1.9
-    dequant_ns: float = 38.3  # gather + FP8 -> BF16 conversion of one candidate row by one block
-    mma_ns_per_head: float = 0.0767  # S = Q·Kᵀ and O += P·V of one candidate for one head (mostly hidden on H200)
-    co_residency_gain: float = 1.86  # throughput of `resident` co-resident blocks over one
-    combine_gbps: float = 1100.0
-    tail: float = 0.124  # the last wave's imbalance, in block times
+    # Fitted on an H200 (sm_90, 132 SMs) to planner sweeps of dsv3_2, glm_nsa and bf16_576 (every plan
+    # of each grid timed with the queued-call method, 32 scan steps per call for T <= 16; all head tiles
+    # at every H; T = 1..256), rounded: the picks are within 7% of the best timed plan on all 51 shapes
+    # and the predictions 0.86-1.14x the measured times (benchmarks/results/planner_sweep*.md);
+    # co_residency_gain is the dsv3_2 run's calibrated value (the sweeps' grids do not pin it).
+    launch_us: float = 3.75  # per launch
+    block_us: float = 2.76  # Hopper family: a block's fixed cost (Q load, barriers, epilogue)
+    dequant_ns: float = 42.4  # Hopper family: gather + FP8/FP4 -> BF16 conversion of one candidate row
+    exact_scales_row_ns: float = 61.1  # the same for FP8 rows with arbitrary FP32 scales
+    direct_row_ns: float = 34.3  # the same for BF16 rows (no conversion)
+    portable_block_us: float = 0.225  # the portable (mma.sync) family's fixed cost and row cost (every row)
+    portable_dequant_ns: float = 97.4
+    mma_ns_per_head: float = 0.11  # S = Q·Kᵀ and O += P·V of one candidate for one head (mostly hidden on H200)
+    co_residency_gain: float = 1.67  # throughput of `resident` co-resident blocks over one
+    combine_gbps: float = 1520.0  # the combine's narrow and wide shapes (a block per row or row slice)
+    warp_combine_gbps: float = 2110.0  # its warp shape (a row per warp; at most 8 splits, many rows)
+    tail: float = 0.21  # the last wave's imbalance, in block times
 
-    def block_time_us(self, candidates_per_block: int, head_tile: int) -> float:
-        """One block alone on an SM."""
-        return self.block_us + candidates_per_block * (self.dequant_ns + head_tile * self.mma_ns_per_head) / 1e3
+    def block_time_us(self, candidates_per_block: int, head_tile: int, family: str = "hopper",
+                      conversion: str = "converted") -> float:
+        """One block of ``family`` ("hopper" or "portable") over rows of ``conversion`` alone on an SM."""
+        if family == "portable":
+            block_us, row_ns = self.portable_block_us, self.portable_dequant_ns
+        elif family == "hopper":
+            rows = {"converted": self.dequant_ns, "exact_scales": self.exact_scales_row_ns,
+                    "direct": self.direct_row_ns}
+            if conversion not in rows:
+                raise ValueError(f"no row conversion {conversion!r} (expected one of {sorted(rows)})")
+            block_us, row_ns = self.block_us, rows[conversion]
+        else:
+            raise ValueError(f"no CUDA kernel family {family!r} (expected 'hopper' or 'portable')")
+        return block_us + candidates_per_block * (row_ns + head_tile * self.mma_ns_per_head) / 1e3
 
     def kernel_us(self, blocks: int, candidates_per_block: int, head_tile: int, sm_count: int,
-                  resident: int = 1) -> float:
-        per_block = self.block_time_us(candidates_per_block, head_tile)
+                  resident: int = 1, family: str = "hopper", conversion: str = "converted") -> float:
+        per_block = self.block_time_us(candidates_per_block, head_tile, family, conversion)
         sm_count = max(1, sm_count)
         if blocks <= sm_count:
             return self.launch_us + per_block
@@ -82,9 +106,11 @@ class CostModel:
             throughput = 1.0 + (self.co_residency_gain - 1.0) * (concurrency - 1.0) / (resident - 1)
         return self.launch_us + blocks * per_block / (sm_count * throughput) + self.tail * per_block
 
-    def combine_us(self, num_splits: int, num_tokens: int, num_heads: int, d_v: int) -> float:
+    def combine_us(self, num_splits: int, num_tokens: int, num_heads: int, d_v: int, sm_count: int) -> float:
+        """The split merge of a decode plan on ``sm_count`` SMs."""
         moved = num_splits * num_tokens * num_heads * (d_v + 1) * 4 + num_tokens * num_heads * (2 * d_v + 4)
-        return self.launch_us + moved / (self.combine_gbps * 1e3)
+        shape = kernel_tables.combine_shape(num_tokens * num_heads, num_splits, d_v, max(1, sm_count))
+        return self.launch_us + moved / ((self.warp_combine_gbps if shape == "warp" else self.combine_gbps) * 1e3)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -211,13 +237,18 @@ def option_us(model: CostModel, fmt: KVFormat, num_tokens: int, num_heads: int, 
               heads_per_block: int, num_splits: int, device: DeviceInfo) -> float:
     """The model's time for one choice (``num_splits`` is rounded to whole split granules)."""
     base_blocks = num_tokens * _ceil_div(num_heads, heads_per_block)
+    conversion = kernel_tables.row_conversion(fmt.key)
     if variant == "prefill":
         resident = resident_blocks(fmt.key, heads_per_block, device)
-        return model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count, resident)
+        family = _family(fmt, heads_per_block, None, device)
+        return model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count, resident, family,
+                               conversion)
     split_size, num_splits = split_layout(candidates, num_splits)
     resident = resident_blocks(fmt.key, heads_per_block, device, split_size)
-    return (model.kernel_us(base_blocks * num_splits, split_size, heads_per_block, device.sm_count, resident)
-            + model.combine_us(num_splits, num_tokens, num_heads, fmt.d_v))
+    family = _family(fmt, heads_per_block, split_size, device)
+    return (model.kernel_us(base_blocks * num_splits, split_size, heads_per_block, device.sm_count, resident,
+                            family, conversion)
+            + model.combine_us(num_splits, num_tokens, num_heads, fmt.d_v, device.sm_count))
 
 
 def split_layout(candidates: int, num_splits: int):

@@ -3,8 +3,9 @@ no GPU needed."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import functools
+import json
 import multiprocessing
 import os
 
@@ -128,7 +129,8 @@ def test_planner_uses_calibrated_constants(cache_dir):
     assert "default constants" in default.describe()
     # A device with free conversion and no fixed costs: every extra block is free, so the small head
     # tile in one pass wins, unlike the default constants' choice.
-    constants = {"combine_gbps": 1e6, "block_us": 0.0, "launch_us": 0.0, "dequant_ns": 0.0}
+    constants = {"combine_gbps": 1e6, "warp_combine_gbps": 1e6, "block_us": 0.0, "launch_us": 0.0, "dequant_ns": 0.0,
+                 "portable_block_us": 0.0, "portable_dequant_ns": 0.0}
     calibration_store.store(DEVICE.name, constants)
     calibrated = jsm.plan(shape, "dsv3_2", topk, platform="cuda", device=DEVICE)
     assert "calibrated constants" in calibrated.describe()
@@ -136,12 +138,13 @@ def test_planner_uses_calibrated_constants(cache_dir):
     assert choice(calibrated) != choice(default)
     model = planner.CostModel.from_dict(constants)
     blocks = 16 * (128 // calibrated.heads_per_block) * calibrated.num_splits
-    expected = model.kernel_us(blocks, calibrated.split_size, calibrated.heads_per_block, DEVICE.sm_count)
+    expected = model.kernel_us(blocks, calibrated.split_size, calibrated.heads_per_block, DEVICE.sm_count,
+                               family=calibrated.family)
     if calibrated.variant == "decode":
-        expected += model.combine_us(calibrated.num_splits, 16, 128, 512)
+        expected += model.combine_us(calibrated.num_splits, 16, 128, 512, DEVICE.sm_count)
     assert calibrated.predicted_us == pytest.approx(expected)
     # A changed file is picked up by the next trace without clearing anything.
-    calibration_store.store(DEVICE.name, {"combine_gbps": 1.0})
+    calibration_store.store(DEVICE.name, {"combine_gbps": 1.0, "warp_combine_gbps": 1.0})
     slow_combine = jsm.plan(shape, "dsv3_2", topk, platform="cuda", device=DEVICE)
     assert slow_combine.variant == "prefill"
 
@@ -218,6 +221,47 @@ def test_fit_recovers_a_known_cost_model():
         a = jsm.plan((tokens, heads, 576), fmt, 2048, platform="cuda", device=DEVICE, cost_model=truth)
         b = jsm.plan((tokens, heads, 576), fmt, 2048, platform="cuda", device=DEVICE, cost_model=fitted)
         assert b.predicted_us == pytest.approx(a.predicted_us, rel=0.05)
+
+
+def test_row_and_block_costs_are_the_kernel_familys():
+    """A block's fixed and row cost come from its family and (Hopper) the format's row conversion; the
+    combine's bandwidth from the shape the launch picks."""
+    m = planner.CostModel(block_us=1.0, dequant_ns=10.0, exact_scales_row_ns=20.0, direct_row_ns=30.0,
+                          portable_block_us=2.0, portable_dequant_ns=40.0, mma_ns_per_head=0.0)
+    assert m.block_time_us(100, 64, "hopper", "converted") == pytest.approx(1.0 + 1.0)
+    assert m.block_time_us(100, 64, "hopper", "exact_scales") == pytest.approx(1.0 + 2.0)
+    assert m.block_time_us(100, 64, "hopper", "direct") == pytest.approx(1.0 + 3.0)
+    for conversion in ("converted", "exact_scales", "direct"):
+        assert m.block_time_us(100, 16, "portable", conversion) == pytest.approx(2.0 + 4.0)
+    with pytest.raises(ValueError, match="family"):
+        m.block_time_us(100, 16, "cpu_reference")
+    with pytest.raises(ValueError, match="row conversion"):
+        m.block_time_us(100, 16, "hopper", "fp16")
+    # The planner's option costs follow the formats' conversions (10, 20, 30 ns a row here).
+    us = {key: planner.option_us(m, jsm.get_format(key), 128, 128, 2048, "prefill", 64, 1, DEVICE)
+          for key in ("dsv3_2", "glm_nsa", "bf16_576")}
+    assert us["dsv3_2"] < us["glm_nsa"] < us["bf16_576"]
+    # T = 4 H = 128: 8 splits merge in the warp shape, 11 in the wide one.
+    fast_warp = dataclasses.replace(m, combine_gbps=100.0, warp_combine_gbps=1e9)
+    assert fast_warp.combine_us(8, 4, 128, 512, 132) == pytest.approx(fast_warp.launch_us, rel=1e-3)
+    assert fast_warp.combine_us(11, 4, 128, 512, 132) > fast_warp.launch_us + 100.0
+
+
+def test_fit_keeps_the_defaults_of_conversions_no_sample_times():
+    """dsv3_2 alone times Hopper plans of converted rows and portable ones (its 64-split plans): the fit
+    leaves the exact-scales and BF16 row costs at their defaults."""
+    fmt = jsm.get_format("dsv3_2")
+    truth = planner.CostModel(launch_us=6.0, block_us=2.5, dequant_ns=55.0, portable_block_us=1.0,
+                              portable_dequant_ns=90.0, exact_scales_row_ns=1.0, direct_row_ns=1.0)
+    samples = [(fmt.key, tokens, heads, 2048, variant, tile, splits,
+                planner.option_us(truth, fmt, tokens, heads, 2048, variant, tile, splits, DEVICE))
+               for heads in (16, 128) for tokens in calibration.CALIBRATION_TOKENS
+               for variant, tile, splits in calibration.calibration_choices(tokens, heads, fmt.key)]
+    fitted = calibration.fit_cost_model(samples, DEVICE)
+    defaults = planner.CostModel()
+    assert fitted.exact_scales_row_ns == defaults.exact_scales_row_ns
+    assert fitted.direct_row_ns == defaults.direct_row_ns
+    assert fitted.dequant_ns == pytest.approx(55.0, rel=0.1)
 
 
 def test_step_timing_queues_calls_and_divides_by_all_steps(monkeypatch):

@@ -177,3 +177,29 @@ def test_backward_family_declares_every_format_its_tiling_serves():
               and not (fmt.scale_kind == jsm.formats.ScaleKind.FP32 and not fmt.pow2_scales)}
     assert declared == served
     assert {heads for family, _, _, heads in generate_kernels.instances() if family == "backward"} == {64}
+
+
+@pytest.mark.parametrize("rows, num_splits, d_v, shape", [
+    (128, 16, 512, "narrow"),    # T = 1 H = 128: slices of a row on separate blocks
+    (256, 22, 512, "narrow"),    # 1024 slices fit two waves of 4 narrow blocks an SM
+    (512, 8, 512, "warp"),       # T = 4 H = 128: at most 8 splits, too many rows for the narrow shape
+    (512, 11, 512, "wide"),      # more splits than merge groups
+    (4096, 2, 512, "warp"),
+    (4096, 8, 1024, "wide"),     # d_v = 1024: a lane holds the loads of 4 splits
+    (4096, 4, 1024, "warp"),
+])
+def test_combine_shape(rows, num_splits, d_v, shape):
+    assert kernel_tables.combine_shape(rows, num_splits, d_v, 132) == shape
+
+
+def test_combine_shape_narrows_on_a_larger_device():
+    assert kernel_tables.combine_shape(512, 8, 512, 132) == "warp"
+    assert kernel_tables.combine_shape(512, 8, 512, 264) == "narrow"
+
+
+def test_row_conversion_of_every_format():
+    conversions = {key: kernel_tables.row_conversion(key) for key in jsm.FORMATS}
+    assert conversions == {"dsv3_2": "converted", "glm_nsa": "exact_scales", "glm53_nope": "exact_scales",
+                           "dsv4": "converted", "dsv4_1": "converted", "dots3_swa": "converted",
+                           "bf16_576": "direct", "bf16_512": "direct", "dsv4_nvfp4": "converted",
+                           "dsv4_1_fp4": "converted"}

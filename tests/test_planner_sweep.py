@@ -8,20 +8,28 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SWEEP = ROOT / "benchmarks" / "results" / "planner_sweep.json"
+RESULTS = ROOT / "benchmarks" / "results"
+SWEEP = RESULTS / "planner_sweep.json"
+#: The sweeps the built-in constants were fitted to: dsv3_2, glm_nsa and bf16_576 (one format of each row
+#: conversion) at T <= 64, and the three at T = 128 and 256.
+FITTED = [SWEEP, RESULTS / "planner_sweep_glm_nsa.json", RESULTS / "planner_sweep_bf16_576.json",
+          *sorted(RESULTS.glob("planner_sweep_large_t_*.json"))]
 
 
-def _replay(*extra):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_sweep.py"), "--replay", str(SWEEP),
-                           *extra], capture_output=True, text=True, timeout=600)
+def _replay(*extra, sweeps=(SWEEP,)):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "planner_sweep.py"), "--replay",
+                           ",".join(map(str, sweeps)), *extra], capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_default_constants_pick_within_ten_percent_on_the_recorded_sweep():
-    rc, text = _replay()
-    shapes = len(json.loads(SWEEP.read_text())["rows"])
+def test_default_constants_pick_within_ten_percent_on_every_recorded_sweep():
+    assert len(FITTED) == 6
+    rc, text = _replay(sweeps=FITTED)
     assert rc == 0, text[-3000:]
-    assert f"default constants: {shapes}/{shapes}" in text, text[-3000:]
+    for sweep in FITTED:
+        shapes = len(json.loads(sweep.read_text())["rows"])
+        assert f"{sweep}\n" in text and f"default constants: {shapes}/{shapes}" in text.split(f"{sweep}\n")[1], \
+            text[-3000:]
 
 
 def test_refit_finds_constants_that_pick_within_ten_percent():

@@ -66,6 +66,20 @@ struct FormatTraits {
   constexpr int32_t quant_bytes() const { return quant_dim * quant_bits / 8; }
 };
 
+// How the CUDA kernels turn a row's stored lanes into MMA operands; the planner's cost model gives each
+// a row cost of its own (they differ by up to 2x on the Hopper family):
+//  * kConverted: FP8/FP4 lanes converted to BF16 with their scales folded in (power-of-two FP32 scales,
+//    or a footer's UE8M0/E4M3 scales);
+//  * kExactScales: FP8 lanes with arbitrary FP32 scales, applied per scale group in FP32 to the scores
+//    and to P (a power-of-two scale is exact in BF16, an arbitrary one is not);
+//  * kDirect: BF16 rows, used as stored.
+enum class RowConversion : int32_t { kConverted = 0, kExactScales = 1, kDirect = 2 };
+
+constexpr RowConversion row_conversion(const FormatTraits& f) {
+  if (f.layout == Layout::kBf16) return RowConversion::kDirect;
+  return f.scale_kind == ScaleKind::kFp32 && !f.pow2_scales ? RowConversion::kExactScales : RowConversion::kConverted;
+}
+
 // clang-format off
 inline constexpr FormatTraits kFormatTable[] = {
   //  id                   layout            scale               dqk   dv    bpt   qdim qbit bf16 grp ng  data  soff srow b16off maxc  pow2   dual

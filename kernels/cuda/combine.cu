@@ -23,43 +23,28 @@ cudaError_t launch_instance(const CombineParams& p, cudaLaunchConfig_t config) {
                                                            kThreadsPerSm / kThreads, kFewSplits>, p);
 }
 
-// The warp shape: rows (warps) a block, and the float4 partial loads a lane may hold in flight (128
-// registers; more spill).
-constexpr int kWarpCombineRows = 8;
-constexpr int kWarpCombineLoads = 32;
-
-// The narrow shape: 8 loads in flight (a merge group of up to 64 splits in one batch), 1024 threads per
-// SM (64 registers).
-constexpr int kNarrowThreadsPerSm = 1024;
-
 template <int kDv>
 cudaError_t launch_shape(const CombineParams& p, int sm_count, cudaLaunchConfig_t config) {
   const int64_t rows = p.num_tokens * p.num_heads;
-  constexpr int kSlices = kDv / (4 * kNarrowCombineLanes);
-  constexpr int kNarrowBlocksPerSm = kNarrowThreadsPerSm / (kNarrowCombineLanes * kNarrowCombineGroups);
-  // Few rows (a small batch): slices of a row on separate blocks, as long as they fit two waves (beyond
-  // that one block per row is faster; at T = 2 H = 128 with 22 splits the slices are).
-  if (rows * kSlices <= 2 * static_cast<int64_t>(sm_count) * kNarrowBlocksPerSm) {
-    config.gridDim = dim3(static_cast<unsigned>(rows), kSlices);
-    return launch_instance<kDv, kNarrowCombineLanes, kNarrowCombineGroups, 8, kNarrowThreadsPerSm>(p, config);
+  switch (choose_combine_shape(rows, p.num_splits, kDv, sm_count)) {
+    case CombineShape::kNarrow:
+      config.gridDim = dim3(static_cast<unsigned>(rows), narrow_combine_slices(kDv));
+      return launch_instance<kDv, kNarrowCombineLanes, kNarrowCombineGroups, 8, kNarrowThreadsPerSm>(p, config);
+    case CombineShape::kWarp:
+      config.gridDim = dim3(static_cast<unsigned>((rows + kWarpCombineRows - 1) / kWarpCombineRows));
+      config.blockDim = dim3(32 * kWarpCombineRows);
+      config.dynamicSmemBytes = 0;
+      if (p.num_splits <= 2) return cudaLaunchKernelEx(&config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 2>, p);
+      if (p.num_splits <= 4) return cudaLaunchKernelEx(&config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 4>, p);
+      return cudaLaunchKernelEx(&config,
+                                combine_rows_by_warp_kernel<kDv, kWarpCombineRows, warp_combine_max_splits(kDv)>, p);
+    case CombineShape::kWide:
+      break;
   }
-  // Many rows and at most one split per merge group: a warp per row with every split's loads in flight
-  // where a lane's registers hold them (kWarpCombineLoads float4s).
-  static_assert(kMergeGroups == 8, "the split counts below assume 8 merge groups");
-  constexpr int kWarpFit = kWarpCombineLoads / (kDv / 128);  // splits whose loads a lane holds
-  constexpr int kWarpMaxSplits = kWarpFit < kMergeGroups ? kWarpFit : kMergeGroups;
-  if (p.num_splits <= kWarpMaxSplits) {
-    config.gridDim = dim3(static_cast<unsigned>((rows + kWarpCombineRows - 1) / kWarpCombineRows));
-    config.blockDim = dim3(32 * kWarpCombineRows);
-    config.dynamicSmemBytes = 0;
-    if (p.num_splits <= 2) return cudaLaunchKernelEx(&config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 2>, p);
-    if (p.num_splits <= 4) return cudaLaunchKernelEx(&config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 4>, p);
-    return cudaLaunchKernelEx(&config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, kWarpMaxSplits>, p);
-  }
-  // Many rows, more splits: one block per row, a thread walking all the splits (its loads in flight).
+  // Wide: one block per row, a thread walking all the splits (its loads in flight).
   config.gridDim = dim3(static_cast<unsigned>(rows), 1);
   constexpr int kLanes = kWideCombineLanes<kDv>;
-  if constexpr (kWarpMaxSplits < kMergeGroups) {  // d_v = 1024: 5 to 8 splits, one per merge group
+  if constexpr (warp_combine_max_splits(kDv) < kMergeGroups) {  // d_v = 1024: 5 to 8 splits, one per merge group
     if (p.num_splits <= kMergeGroups) return launch_instance<kDv, kLanes, 1, 8, 1024, true>(p, config);
   }
   return launch_instance<kDv, kLanes, 1, 16, 512>(p, config);

@@ -11,7 +11,7 @@
 // d_v / (4 kNarrowCombineLanes) blocks, so few rows — a T = 1 call — still spread over many SMs; the
 // wide shape walks all merge groups in one thread, one block per row; the warp shape (at most
 // kMergeGroups splits) gives a row to one warp, with no block barrier. All produce the same bits, so
-// combine.cu may pick the shape (and the loads in flight) from the row and split counts without
+// combine.cu picks the shape (combine_shape.h; and the loads in flight) from the row and split counts without
 // changing any result: bitwise reproducible, no atomics, and a batch-invariant plan gives every row the
 // same bits at every T. The kernel is launched as the programmatic dependent of the split kernel and waits for it
 // before it reads the workspace. Shared by every kernel family.
@@ -21,22 +21,11 @@
 
 #include <climits>
 
+#include "kernels/cuda/combine_shape.h"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/softmax_merge.cuh"
 
 namespace jsmla::cuda {
-
-// Splits one merge reads (its shared memory holds a weight per split); the handler checks plans against it.
-inline constexpr int kCombineMaxSplits = 4096;
-
-// Merge groups of the summation order (above); the narrow shape has one thread group per merge group.
-inline constexpr int kMergeGroups = 8;
-
-// The two block shapes: (float4 lanes of a row slice, thread groups).
-inline constexpr int kNarrowCombineLanes = 32;
-inline constexpr int kNarrowCombineGroups = kMergeGroups;
-template <int kDv>
-inline constexpr int kWideCombineLanes = kDv / 4;
 
 // max (kMax) or sum of one value per thread of the block, the same in every thread, in a fixed order:
 // warp trees, then the warps' results in index order.

@@ -35,7 +35,7 @@ struct LoaderGeometry {
   // One thread's private copy of its row's scale record (whole 16-byte cp.async units).
   static constexpr int kScaleSlotBytes = (kScaleRecordBytes + 15) / 16 * 16;
   // Scales that are not powers of two: their mantissas are applied in FP32 by the kernel.
-  static constexpr bool kExactScales = kF.scale_kind == ScaleKind::kFp32 && !kF.pow2_scales;
+  static constexpr bool kExactScales = row_conversion(kF) == RowConversion::kExactScales;
   static constexpr int kNumGroups = kF.num_groups;
   // Per-row factors of kExactScales (floats): mantissa[g][row], then ratio[g][row] = m_g / m_{g+1}
   // (m_G = 1: the unscaled BF16 lanes after the last group).

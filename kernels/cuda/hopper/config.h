@@ -31,7 +31,7 @@ inline constexpr int kMaxSharedBytes = 227 * 1024;
 // stay on the portable family).
 constexpr bool hopper_format(FormatId id) {
   const FormatTraits f = format_traits(id);
-  const bool exact_scales = f.scale_kind == ScaleKind::kFp32 && !f.pow2_scales;
+  const bool exact_scales = row_conversion(f) == RowConversion::kExactScales;
   return (f.d_qk == 512 || f.d_qk == 576) && f.d_v == 512 &&
          (!exact_scales || (f.group_size % 16 == 0 && 256 % f.group_size == 0));
 }
@@ -44,7 +44,7 @@ struct HopperConfig {
   // BF16 rows need no conversion: the producer copies them straight into the swizzled tile buffers,
   // and without a staging area two 64-candidate tiles fit (wide tiles: half the hand-overs per
   // candidate, S as m64n64). Every other format is staged raw and converted into two 32-candidate tiles.
-  static constexpr bool kDirectTiles = kF.layout == Layout::kBf16;
+  static constexpr bool kDirectTiles = row_conversion(kF) == RowConversion::kDirect;
   static constexpr bool kWideTiles = kDirectTiles;
   static constexpr int kCandidateTile = kWideTiles ? 64 : 32;  // wgmma N of S, k16 steps of P·V
   static constexpr int kMinSplitSize = 0;  // every split (kernel_table.h: choose_family)
