@@ -23,8 +23,8 @@ from . import _ffi, calibration_store, kernel_tables, planner, validate
 from .formats import get_format
 from .timing import RandomCache, median_step_seconds
 
-__all__ = ["calibrate", "CALIBRATION_TOKENS", "CALIBRATION_FORMATS", "calibration_choices", "forced_plan", "time_plan", "time_choice",
-           "fit_cost_model", "measure_cost_model"]
+__all__ = ["calibrate", "CALIBRATION_TOKENS", "CALIBRATION_FORMATS", "calibration_choices", "forced_plan",
+           "time_plan", "time_choice", "fit_cost_model", "measure_cost_model"]
 
 _STEPS = 8
 #: Steps per timed call for T <= 16, where a step is short enough that the host's per-call dispatch

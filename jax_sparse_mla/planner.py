@@ -47,10 +47,11 @@ class CostModel:
     ``exact_scales_row_ns`` (FP8 rows with arbitrary FP32 scales) or ``direct_row_ns`` (BF16 rows); on
     the portable family ``portable_block_us`` and ``portable_dequant_ns``. A device with the Hopper
     family runs portable-family plans for the head tiles and splits the Hopper tiles lack, so its
-    planner weighs plans of both. A launch of at most one block per SM takes ``launch_us + per_block``. A larger launch is work-conserving: the SMs run
-    ``c = min(resident, blocks / sm_count)`` blocks each on average (``resident`` is the kernel's
-    occupancy, :func:`resident_blocks`), an SM's throughput grows from 1 (one block) to
-    ``co_residency_gain`` (``resident`` blocks) with ``c``, and the last blocks add a tail of
+    planner weighs plans of both. A launch of at most one block per SM takes ``launch_us + per_block``.
+    A larger launch is work-conserving: the SMs run ``c = min(resident, blocks / sm_count)`` blocks each
+    on average (``resident`` is the kernel's occupancy, :func:`resident_blocks`), an SM's throughput
+    grows from 1 (one block) to ``co_residency_gain`` (``resident`` blocks) with ``c``, and the last
+    blocks add a tail of
     ``tail`` block times: ``launch_us + blocks * per_block / (sm_count * throughput) + tail * per_block``.
     Many small blocks thus shorten the tail at the price of ``block_us`` each. The decode combine
     streams the partial results at ``warp_combine_gbps`` in its warp shape and at ``combine_gbps`` in
