@@ -165,11 +165,12 @@ case "$mode" in
       echo "$tool: exit $rc; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
       grep -E "passed|failed" "$out/sanitizer_$tool.log" | tail -1
     done
-    # What racecheck makes of a correct hand-over through counted named barriers (the kernels'), beside a
-    # block-wide one (must be silent) and none at all (must be reported): kernels/cuda/tests/racecheck_probe.cu.
+    # What racecheck makes of a correct hand-over through counted named barriers (the kernels': two-sided
+    # syncs, and arrive/sync pairs), beside a block-wide one (must be silent) and none at all (must be
+    # reported): kernels/cuda/tests/racecheck_probe.cu.
     if (cd "$repo" && nvcc -std=c++17 -O3 -arch=sm_90a -I. kernels/cuda/tests/racecheck_probe.cu -o "$out/racecheck_probe") \
         > "$out/racecheck_probe_build.log" 2>&1; then
-      for probe in counted aligned block none; do
+      for probe in counted aligned arrive block none; do
         compute-sanitizer --tool racecheck --racecheck-report all "$out/racecheck_probe" $probe > "$out/racecheck_probe_$probe.log" 2>&1
         echo "racecheck probe $probe: exit $?; $(grep -E "racecheck_probe|RACECHECK SUMMARY" "$out/racecheck_probe_$probe.log" | tr '\n' ' ')"
       done

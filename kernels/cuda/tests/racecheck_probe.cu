@@ -6,6 +6,10 @@
 // factors and the second consumer, hopper/sparse_mla_kernel.cuh). Modes:
 //   counted   named_barrier_sync(id, 256), the kernels' non-aligned barrier.sync with a thread count;
 //   aligned   bar.sync id, 256 (the aligned form);
+//   arrive    one slot handed back and forth by arrive/sync pairs, the 64-head kernel's one-P-buffer
+//             path (its row_rescale): warpgroup 1 waits on `free` (from step 1), writes, arrives on
+//             `ready`; warpgroup 2 waits on `ready`, reads, arrives on `free` (bar.arrive orders the
+//             arriving thread's earlier accesses before the waiters' later ones, PTX memory model);
 //   block     __syncthreads() for every hand-over (all 384 threads): racecheck must report nothing;
 //   none      no hand-over at all, a real race: racecheck must report it (the tool sees races here).
 // The program checks the values read (except with `none`) and exits 0 when they are right.
@@ -21,7 +25,7 @@
 
 namespace {
 
-enum class Mode { kCounted, kAligned, kBlock, kNone };
+enum class Mode { kCounted, kAligned, kArrive, kBlock, kNone };
 constexpr int kSteps = 16;
 constexpr int kRows = 64;
 
@@ -44,6 +48,22 @@ __global__ void __launch_bounds__(384, 1) probe(Mode mode, float* sums) {
   const int group = threadIdx.x / 128;
   const int t = threadIdx.x % 128;
   float sum = 0.0f;
+  if (mode == Mode::kArrive) {
+    constexpr int kReady = 6, kFree = 7;
+    for (int i = 0; i < kSteps; ++i) {
+      if (group == 1) {
+        if (i > 0) jsmla::cuda::named_barrier_sync(kFree, 256);
+        if (t % 2 == 0) slot[0][t / 2] = static_cast<float>(i * kRows + t / 2);
+        jsmla::cuda::named_barrier_arrive(kReady, 256);
+      } else if (group == 2) {
+        jsmla::cuda::named_barrier_sync(kReady, 256);
+        sum += slot[0][t / 2];
+        if (i + 1 < kSteps) jsmla::cuda::named_barrier_arrive(kFree, 256);
+      }
+    }
+    if (group == 2) sums[t] = sum;
+    return;
+  }
   for (int i = 0; i < kSteps; ++i) {
     const int b = i & 1;
     if (group == 1 && t % 2 == 0) slot[b][t / 2] = static_cast<float>(i * kRows + t / 2);
@@ -67,12 +87,14 @@ int main(int argc, char** argv) {
     mode = Mode::kCounted;
   } else if (!std::strcmp(name, "aligned")) {
     mode = Mode::kAligned;
+  } else if (!std::strcmp(name, "arrive")) {
+    mode = Mode::kArrive;
   } else if (!std::strcmp(name, "block")) {
     mode = Mode::kBlock;
   } else if (!std::strcmp(name, "none")) {
     mode = Mode::kNone;
   } else {
-    std::fprintf(stderr, "mode: counted, aligned, block or none (got %s)\n", name);
+    std::fprintf(stderr, "mode: counted, aligned, arrive, block or none (got %s)\n", name);
     return 2;
   }
   float* sums = nullptr;
