@@ -51,8 +51,8 @@ class CostModel:
     A larger launch is work-conserving: the SMs run ``c = min(resident, blocks / sm_count)`` blocks each
     on average (``resident`` is the kernel's occupancy, :func:`resident_blocks`), an SM's throughput
     grows from 1 (one block) to ``co_residency_gain`` (``resident`` blocks) with ``c``, and the last
-    blocks add a tail of
-    ``tail`` block times: ``launch_us + blocks * per_block / (sm_count * throughput) + tail * per_block``.
+    blocks add a tail of ``tail`` block times:
+    ``launch_us + blocks * per_block / (sm_count * throughput) + tail * per_block``.
     Many small blocks thus shorten the tail at the price of ``block_us`` each. The decode combine
     streams the partial results at ``warp_combine_gbps`` in its warp shape and at ``combine_gbps`` in
     the others (:func:`jax_sparse_mla.kernel_tables.combine_shape` says which runs). The defaults were

@@ -67,7 +67,7 @@ struct FormatTraits {
 };
 
 // How the CUDA kernels turn a row's stored lanes into MMA operands; the planner's cost model gives each
-// a row cost of its own (they differ by up to 2x on the Hopper family):
+// a row cost of its own (on an H200's Hopper family they differ by up to 1.8x):
 //  * kConverted: FP8/FP4 lanes converted to BF16 with their scales folded in (power-of-two FP32 scales,
 //    or a footer's UE8M0/E4M3 scales);
 //  * kExactScales: FP8 lanes with arbitrary FP32 scales, applied per scale group in FP32 to the scores
