@@ -96,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--formats", type=_list_of(_format_key, "format keys"),
                            default=list(calibration.CALIBRATION_FORMATS),
                            help="comma-separated formats to measure (default: "
-                                + ",".join(calibration.CALIBRATION_FORMATS) + ": both kernel families)")
+                                + ",".join(calibration.CALIBRATION_FORMATS) + ": one of each row conversion)")
     calibrate.add_argument("--heads", type=_list_of(_int_at_least(1), "head counts"), default=[16, 64, 128],
                            help="comma-separated head counts (default: 16,64,128)")
     calibrate.add_argument("--topks", type=_list_of(_int_at_least(1), "index row widths"), default=[2048],

@@ -160,8 +160,7 @@ def _sample_classes(samples, device) -> set:
     classes = set()
     for kv_format, _, _, candidates, variant, tile, splits, _ in samples:
         split_size = None if variant == "prefill" else planner.split_layout(candidates, splits)[0]
-        family = kernel_tables.kernel_family(kv_format, tile, device.arch, device.smem_per_block,
-                                             _ffi.hopper_compiled(), split_size)
+        family = planner._family(get_format(kv_format), tile, split_size, device)  # as the planner decides
         classes |= {(family, None), (family, kernel_tables.row_conversion(kv_format))}
     return classes
 
@@ -236,8 +235,9 @@ def calibrate(*, formats: Iterable[str] = CALIBRATION_FORMATS, heads: Iterable[i
     Args:
       formats / heads / topks: the shapes to measure (each combination runs a short sweep of split
         counts, token counts and head tiles; a few seconds each). The default formats,
-        :data:`CALIBRATION_FORMATS`, exercise both kernel families; formats without a plan of a family (or of a
-        row conversion) keep that family's (or conversion's) constants at the defaults.
+        :data:`CALIBRATION_FORMATS`, exercise both kernel families and every row conversion; formats
+        without a plan of a family (or of a row conversion) keep that family's (or conversion's)
+        constants at the defaults.
       force: re-measure even when the device already has constants.
       progress: called as ``progress(done, total, label)`` after each measurement (the CLI draws a bar).
       path: the calibration file (default :func:`jax_sparse_mla.calibration_store.calibration_path`).

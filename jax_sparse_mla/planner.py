@@ -226,8 +226,12 @@ def _round_up(a: int, b: int) -> int:
 def resident_blocks(kv_format: str, heads_per_block: int, device: DeviceInfo, split_size=None) -> int:
     """Blocks of the kernel that runs a plan (``split_size``: a decode plan's; ``None``: one split over
     the whole list) that fit on one SM at once: limited by registers and shared memory."""
-    tables = (kernel_tables.HOPPER_KERNELS if _family(get_format(kv_format), heads_per_block, split_size, device)
-              == "hopper" else kernel_tables.KERNELS)
+    return _resident(kv_format, heads_per_block, device, _family(get_format(kv_format), heads_per_block,
+                                                                 split_size, device))
+
+
+def _resident(kv_format: str, heads_per_block: int, device: DeviceInfo, family: str) -> int:
+    tables = kernel_tables.HOPPER_KERNELS if family == "hopper" else kernel_tables.KERNELS
     kernel = tables[(kv_format, heads_per_block)]
     by_registers = device.registers_per_sm // (kernel.threads * REGISTERS_PER_THREAD)
     by_shared = device.smem_per_sm // (kernel.shared_bytes + SHARED_BYTES_RESERVED_PER_BLOCK)
@@ -240,15 +244,13 @@ def option_us(model: CostModel, fmt: KVFormat, num_tokens: int, num_heads: int, 
     base_blocks = num_tokens * _ceil_div(num_heads, heads_per_block)
     conversion = kernel_tables.row_conversion(fmt.key)
     if variant == "prefill":
-        resident = resident_blocks(fmt.key, heads_per_block, device)
         family = _family(fmt, heads_per_block, None, device)
-        return model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count, resident, family,
-                               conversion)
+        return model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count,
+                               _resident(fmt.key, heads_per_block, device, family), family, conversion)
     split_size, num_splits = split_layout(candidates, num_splits)
-    resident = resident_blocks(fmt.key, heads_per_block, device, split_size)
     family = _family(fmt, heads_per_block, split_size, device)
-    return (model.kernel_us(base_blocks * num_splits, split_size, heads_per_block, device.sm_count, resident,
-                            family, conversion)
+    return (model.kernel_us(base_blocks * num_splits, split_size, heads_per_block, device.sm_count,
+                            _resident(fmt.key, heads_per_block, device, family), family, conversion)
             + model.combine_us(num_splits, num_tokens, num_heads, fmt.d_v, device.sm_count))
 
 
@@ -312,6 +314,7 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
 
 
 def _family(fmt: KVFormat, heads_per_block: int, split_size, device: DeviceInfo) -> str:
+    """The kernel family that runs a plan's (format, head tile, split size) on ``device``."""
     return kernel_tables.kernel_family(fmt.key, heads_per_block, device.arch, device.smem_per_block,
                                        _ffi.hopper_compiled(), split_size)
 
