@@ -42,11 +42,12 @@ def sweep_choices(kv_format, tokens, topk):
     from jax_sparse_mla import kernel_tables, planner
 
     choices = {}
+    positions = kernel_tables.decode_positions(kv_format, topk)
     for tile in kernel_tables.HEAD_TILES[kv_format]:
         choices[choice_key("prefill", tile, 1)] = ("prefill", tile, 1)
         for splits in planner.SPLIT_CHOICES:
             if tokens <= 16 or splits <= 16:
-                _, splits = planner.split_layout(topk, splits)
+                _, splits = planner.split_layout(positions, splits)
                 choices.setdefault(choice_key("decode", tile, splits), ("decode", tile, splits))
     return choices
 

@@ -129,6 +129,13 @@ NB_MODULE(_cpu_ext, m) {
       "The CUDA family that runs a plan's (format, head tile, split size) on a device, as the CUDA handler "
       "chooses it (JSMLA_CUDA_FAMILY read now).");
   m.def(
+      "decode_positions",
+      [](int64_t main_topk, int32_t window, int64_t extra_topk) {
+        return jsmla::cuda::decode_positions(main_topk, window, extra_topk);
+      },
+      nb::arg("main_topk"), nb::arg("window"), nb::arg("extra_topk"),
+      "Candidate positions a CUDA decode plan's splits must cover (kernels/cuda/kernel_table.h).");
+  m.def(
       "row_conversion",
       [](int format_id) {
         if (format_id < 0 || format_id >= jsmla::kNumFormats) throw nb::value_error("unknown format id");

@@ -88,15 +88,16 @@ ffi::Error check_plan(const FormatTraits& f, const AttentionParams& a, const Pla
                                        "} for kv_format " + std::to_string(static_cast<int>(f.id)) + ", got " +
                                        std::to_string(plan.heads_per_block));
   }
-  const int64_t total_candidates = static_cast<int64_t>(a.main.topk) + a.extra.topk;
+  const int64_t positions = cuda::decode_positions(a.main.topk, f.max_candidates, a.extra.topk);
   if (plan.decode() && (plan.num_splits < 1 || plan.num_splits > cuda::combine_max_splits() || plan.split_size < 1 ||
                         plan.split_size % cuda::kSplitGranule != 0 ||
-                        static_cast<int64_t>(plan.num_splits) * plan.split_size < total_candidates)) {
+                        static_cast<int64_t>(plan.num_splits) * plan.split_size < positions)) {
     return ffi::Error::InvalidArgument(
         "num_splits/split_size: decode needs 1 <= num_splits <= " + std::to_string(cuda::combine_max_splits()) +
-        " and split_size a positive multiple of " +
-        std::to_string(cuda::kSplitGranule) + " with num_splits * split_size >= topk + extra_topk = " +
-        std::to_string(total_candidates) + ", got num_splits=" + std::to_string(plan.num_splits) +
+        " and split_size a positive multiple of " + std::to_string(cuda::kSplitGranule) +
+        " with num_splits * split_size >= the candidate positions read (topk + extra_topk, the main list cut "
+        "at the format's window without an extra list) = " +
+        std::to_string(positions) + ", got num_splits=" + std::to_string(plan.num_splits) +
         " split_size=" + std::to_string(plan.split_size));
   }
   if (ffi::Error error = check_cache_alignment("kv_cache", a.main.cache); error.failure()) return error;

@@ -55,7 +55,8 @@ def forced_plan(problem, variant: str, heads_per_block: int, num_splits: int = 1
     base = planner.plan((problem.num_tokens, problem.num_heads, problem.fmt.d_qk), problem.fmt, problem.topk,
                         platform="cuda", impl="prefill")
     candidates = problem.topk
-    split_size, num_splits = planner.split_layout(candidates, num_splits)
+    split_size, num_splits = planner.split_layout(kernel_tables.decode_positions(problem.fmt.key, candidates),
+                                                  num_splits)
     workspace = (kernel_tables.workspace_bytes(num_splits, problem.num_tokens, problem.num_heads, problem.fmt.d_v)
                  if variant == "decode" else 0)
     return dataclasses.replace(base, variant=variant, heads_per_block=heads_per_block, num_splits=num_splits,
@@ -205,7 +206,8 @@ def measure_cost_model(device, *, formats, heads, topks, progress: Optional[Call
         cache = caches.setdefault(kv_format, RandomCache(kv_format))
         for variant, tile, splits in calibration_choices(tokens, h, kv_format):
             measured = time_choice(cache, tokens, h, topk, variant, tile, splits)
-            samples.append((kv_format, tokens, h, topk, variant, tile, splits, measured))
+            positions = kernel_tables.decode_positions(kv_format, topk)  # the candidates the kernels read
+            samples.append((kv_format, tokens, h, positions, variant, tile, splits, measured))
             done += 1
             if progress is not None:
                 progress(done, total, f"{kv_format} T={tokens} H={h} topk={topk} {variant} tile {tile}"

@@ -11,7 +11,8 @@ Contract of a CUDA plan (the CUDA handler checks it again):
     workspace); the CPU runs ``VARIANT_IDS["reference"]``.
   * ``heads_per_block``: one of ``HEAD_TILES[kv_format]``; heads past H in the last tile are masked.
   * decode: ``split_size`` a positive multiple of ``SPLIT_GRANULE`` with
-    ``num_splits * split_size >= topk + extra_topk``; split s covers candidate positions
+    ``num_splits * split_size >= decode_positions(kv_format, topk, extra_topk)`` (``topk + extra_topk``,
+    or without an extra list the main list cut at the format's window); split s covers candidate positions
     ``[s*split_size, (s+1)*split_size)`` of the main list followed by the extra list; the workspace is
     ``workspace_bytes(num_splits, T, H, d_v)`` bytes.
   * On an sm_90 device the handler runs the Hopper kernel of the same (format, head tile) when one
@@ -29,7 +30,8 @@ from .formats import FORMATS, get_format
 __all__ = ["KernelConfig", "VARIANT_IDS", "MIN_HEADS", "MAX_HEADS", "MIN_TOPK", "SPLIT_GRANULE",
            "MIN_COMPUTE_CAPABILITY", "HOPPER_COMPUTE_CAPABILITY", "FAMILIES", "KERNELS", "HOPPER_KERNELS",
            "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "backward_workspace_bytes", "backward_chunk_tokens",
-           "BACKWARD_CHUNK_BUDGET_BYTES", "kernel_family", "combine_shape", "row_conversion"]
+           "BACKWARD_CHUNK_BUDGET_BYTES", "kernel_family", "combine_shape", "row_conversion",
+           "decode_positions"]
 
 _TABLES = _cpu_ext.kernel_tables()
 
@@ -131,3 +133,11 @@ def row_conversion(kv_format: str) -> str:
     ``"converted"`` (FP8/FP4 lanes to BF16, scales folded in), ``"exact_scales"`` (FP8 with arbitrary
     FP32 scales, applied per group in FP32) or ``"direct"`` (BF16 rows as stored)."""
     return _cpu_ext.row_conversion(get_format(kv_format).id)
+
+
+def decode_positions(kv_format: str, topk: int, extra_topk: int = 0) -> int:
+    """Candidate positions a decode plan's splits must cover: ``topk + extra_topk``, or without an extra
+    list the main list cut at the format's window (``dots3_swa``: 513; positions past it are never read,
+    so splits there would be empty blocks)."""
+    return int(_cpu_ext.decode_positions(topk, get_format(kv_format).max_candidates, extra_topk))
+

@@ -240,7 +240,8 @@ def _resident(kv_format: str, heads_per_block: int, device: DeviceInfo, family: 
 
 def option_us(model: CostModel, fmt: KVFormat, num_tokens: int, num_heads: int, candidates: int, variant: str,
               heads_per_block: int, num_splits: int, device: DeviceInfo) -> float:
-    """The model's time for one choice (``num_splits`` is rounded to whole split granules)."""
+    """The model's time for one choice: ``candidates`` positions of each row read
+    (:func:`jax_sparse_mla.kernel_tables.decode_positions`), ``num_splits`` rounded to whole split granules."""
     base_blocks = num_tokens * _ceil_div(num_heads, heads_per_block)
     conversion = kernel_tables.row_conversion(fmt.key)
     if variant == "prefill":
@@ -260,18 +261,20 @@ def split_layout(candidates: int, num_splits: int):
     return split_size, _ceil_div(candidates, split_size)
 
 
-def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: DeviceInfo, model: CostModel,
+def _cuda_options(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: DeviceInfo, model: CostModel,
                   impl):
-    """Every (predicted µs, variant, head tile, splits, split size) the planner may choose from."""
+    """Every (predicted µs, variant, head tile, splits, split size) the planner may choose from; the costs
+    and the splits count the candidate positions the kernels read (:func:`kernel_tables.decode_positions`)."""
+    positions = kernel_tables.decode_positions(fmt.key, topk, extra_topk)
     options = []
     for heads_per_block in kernel_tables.HEAD_TILES[fmt.key]:
         if impl in ("auto", "prefill"):
-            us = option_us(model, fmt, num_tokens, num_heads, candidates, "prefill", heads_per_block, 1, device)
-            options.append((us, "prefill", heads_per_block, 1, candidates))
+            us = option_us(model, fmt, num_tokens, num_heads, positions, "prefill", heads_per_block, 1, device)
+            options.append((us, "prefill", heads_per_block, 1, topk + extra_topk))
         if impl in ("auto", "decode"):
             for splits in SPLIT_CHOICES:
-                split_size, splits = split_layout(candidates, splits)
-                us = option_us(model, fmt, num_tokens, num_heads, candidates, "decode", heads_per_block, splits,
+                split_size, splits = split_layout(positions, splits)
+                us = option_us(model, fmt, num_tokens, num_heads, positions, "decode", heads_per_block, splits,
                                device)
                 options.append((us, "decode", heads_per_block, splits, split_size))
     return options
@@ -279,7 +282,6 @@ def _cuda_options(fmt: KVFormat, num_tokens, num_heads, candidates, device: Devi
 
 def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: DeviceInfo, batch_invariant,
                impl, model: CostModel, calibrated: bool) -> Plan:
-    candidates = topk + extra_topk
     common = dict(platform="cuda", kv_format=fmt.key, num_tokens=num_tokens,
                   num_heads=num_heads, topk=topk, extra_topk=extra_topk, batch_invariant=batch_invariant,
                   device_name=device.name)
@@ -288,13 +290,15 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
         tiles = kernel_tables.HEAD_TILES[fmt.key]
         heads_per_block = next((t for t in tiles if t >= num_heads), tiles[-1])
         split_size = _round_up(BATCH_INVARIANT_SPLIT_SIZE, kernel_tables.SPLIT_GRANULE)
-        num_splits = _ceil_div(candidates, split_size)
+        # Over the whole index rows (a window's tail splits are empty blocks): the layout is the same for
+        # every format and T.
+        num_splits = _ceil_div(topk + extra_topk, split_size)
         return Plan(variant="decode", heads_per_block=heads_per_block, num_splits=num_splits, split_size=split_size,
                     family=_family(fmt, heads_per_block, split_size, device),
                     workspace_bytes=kernel_tables.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v),
                     reason=f"batch_invariant: fixed {split_size}-candidate splits and head tile {heads_per_block}, "
                            f"independent of T", **common)
-    options = _cuda_options(fmt, num_tokens, num_heads, candidates, device, model, impl)
+    options = _cuda_options(fmt, num_tokens, num_heads, topk, extra_topk, device, model, impl)
     # Ties (the MMA term is hidden on some GPUs) go to fewer splits, then to the smaller head tile (no
     # wasted rows).
     us, variant, heads_per_block, num_splits, split_size = min(options, key=lambda o: (o[0], o[3], o[2]))

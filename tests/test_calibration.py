@@ -192,9 +192,13 @@ def test_cuda_plans_respect_the_kernel_contract(cache_dir):
                     p = jsm.plan((t, h, fmt.d_qk), key, topk, platform="cuda", device=DEVICE)
                     assert p.heads_per_block in kernel_tables.HEAD_TILES[key]
                     if p.variant == "decode":
+                        # The splits cover the positions the kernels read (dots3_swa: its window), and
+                        # none is empty.
+                        positions = kernel_tables.decode_positions(key, topk)
+                        assert positions == (min(topk, fmt.max_candidates) if fmt.max_candidates else topk)
                         assert p.split_size % kernel_tables.SPLIT_GRANULE == 0
-                        assert p.num_splits * p.split_size >= topk
-                        assert (p.num_splits - 1) * p.split_size < topk  # no empty split
+                        assert p.num_splits * p.split_size >= positions
+                        assert (p.num_splits - 1) * p.split_size < positions
                         assert p.workspace_bytes == kernel_tables.workspace_bytes(p.num_splits, t, h, fmt.d_v)
 
 

@@ -203,3 +203,19 @@ def test_row_conversion_of_every_format():
                            "dsv4": "converted", "dsv4_1": "converted", "dots3_swa": "converted",
                            "bf16_576": "direct", "bf16_512": "direct", "dsv4_nvfp4": "converted",
                            "dsv4_1_fp4": "converted"}
+
+
+def test_decode_positions_cut_the_main_list_at_the_window():
+    assert kernel_tables.decode_positions("dots3_swa", 2048) == 513  # positions >= 513 are never read
+    assert kernel_tables.decode_positions("dots3_swa", 300) == 300
+    assert kernel_tables.decode_positions("dsv3_2", 2048) == 2048  # no window
+    # An extra list starts after the main list's full width: both are covered whole.
+    assert kernel_tables.decode_positions("dsv4", 2048, 512) == 2560
+
+
+def test_window_plans_split_only_the_window():
+    plan = jsm.plan((2, 64, 1088), "dots3_swa", 2048, platform="cuda", impl="decode")
+    assert plan.num_splits * plan.split_size >= 513 > (plan.num_splits - 1) * plan.split_size
+    # batch_invariant keeps its fixed layout over the whole index row.
+    fixed = jsm.plan((2, 64, 1088), "dots3_swa", 2048, platform="cuda", batch_invariant=True)
+    assert fixed.num_splits * fixed.split_size >= 2048

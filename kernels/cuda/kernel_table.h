@@ -45,6 +45,15 @@ inline constexpr int kNumKernels = sizeof(kKernelShapes) / sizeof(kKernelShapes[
 
 // Decode split sizes are positive multiples of this (every candidate tile divides it).
 inline constexpr int32_t kSplitGranule = portable::kSplitGranule;
+
+// Candidate positions a decode plan's splits must cover (num_splits * split_size at least this): the
+// main list cut at the format's window (`window` > 0: positions past it are never read), or, with an
+// extra list, the whole main list and the extra list (the extra list's positions start after the
+// main list's full width).
+constexpr int64_t decode_positions(int64_t main_topk, int32_t window, int64_t extra_topk) {
+  if (extra_topk > 0 || window <= 0) return main_topk + extra_topk;
+  return main_topk < window ? main_topk : window;
+}
 // Oldest compute capability (major * 10 + minor) with a kernel: SASS for sm_80/90a/120a, PTX for sm_80.
 inline constexpr int32_t kMinComputeCapability = 80;
 // The Hopper family's sm_90a code runs on compute capability 9.0 only.
