@@ -36,3 +36,16 @@ def test_refit_finds_constants_that_pick_within_ten_percent():
     rc, text = _replay("--refit", "40")
     assert rc == 0, text[-3000:]
     assert "refitted constants" in text
+
+
+def test_default_constants_pick_within_ten_percent_on_the_held_out_sweeps():
+    # Timed after the fit, never fitted to: other formats and head counts (dots3_swa's since its decode
+    # plans split only its 513-position window).
+    held_out = sorted(RESULTS.glob("planner_sweep_check_*.json"))
+    assert len(held_out) >= 2
+    rc, text = _replay(sweeps=held_out)
+    assert rc == 0, text[-3000:]
+    for sweep in held_out:
+        shapes = len(json.loads(sweep.read_text())["rows"])
+        assert f"{sweep}\n" in text and f"default constants: {shapes}/{shapes}" in text.split(f"{sweep}\n")[1], \
+            text[-3000:]
