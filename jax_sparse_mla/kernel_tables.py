@@ -140,4 +140,3 @@ def decode_positions(kv_format: str, topk: int, extra_topk: int = 0) -> int:
     list the main list cut at the format's window (``dots3_swa``: 513; positions past it are never read,
     so splits there would be empty blocks)."""
     return int(_cpu_ext.decode_positions(topk, get_format(kv_format).max_candidates, extra_topk))
-

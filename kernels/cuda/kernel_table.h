@@ -54,6 +54,7 @@ constexpr int64_t decode_positions(int64_t main_topk, int32_t window, int64_t ex
   if (extra_topk > 0 || window <= 0) return main_topk + extra_topk;
   return main_topk < window ? main_topk : window;
 }
+
 // Oldest compute capability (major * 10 + minor) with a kernel: SASS for sm_80/90a/120a, PTX for sm_80.
 inline constexpr int32_t kMinComputeCapability = 80;
 // The Hopper family's sm_90a code runs on compute capability 9.0 only.
