@@ -33,7 +33,8 @@
 #                                                 # (bf16_576 T=1024 H=128: q, q + cache; dsv3_2: q;
 #                                                 # JSMLA_BACKWARD_PROFILES="bf16_576:cache" picks some)
 #   JSMLA_TEST_ARGS='-m gpu -k backward' bash benchmarks/gpu_session.sh tests
-#                                                 # build + the pytest selection JSMLA_TEST_ARGS
+#                                                 # build + the pytest selection JSMLA_TEST_ARGS (test paths,
+#                                                 # e.g. tests/gpu/test_cuda.py, relative to the repository)
 #
 # JSMLA_SESSION_TREE=<dir> builds, installs and tests another copy of the repository instead of this
 # one (e.g. a branch exported with `git archive <branch> | tar x -C .ab/<name>`, carried with .ab).
@@ -87,8 +88,15 @@ cd /tmp  # import the installed package, not the source tree
 python3 -c "import jax, jax_sparse_mla as j; print('jax', jax.__version__, jax.devices(), 'cuda ext:', j.cuda_available())"
 
 status=0
+# Runs pytest on the repository's tests, or on the test paths among the arguments (relative to the
+# repository root: tests run from /tmp, so that the installed package is imported, not the tree).
 run_tests() {
-  python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors "$@" "$repo/tests" 2>&1 | tee -a "$out/tests.log" | tail -25
+  local args=() paths=0 a
+  for a in "$@"; do
+    if [[ "$a" == tests/* || "$a" == tests ]]; then args+=("$repo/$a"); paths=1; else args+=("$a"); fi
+  done
+  [ "$paths" = 1 ] || args+=("$repo/tests")
+  python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors "${args[@]}" 2>&1 | tee -a "$out/tests.log" | tail -25
   return "${PIPESTATUS[0]}"
 }
 case "$mode" in
