@@ -205,8 +205,9 @@ def main(argv):
     for heads in map(int, FLAGS.heads):
         for tokens in map(int, FLAGS.tokens):
             timings = {}
+            choices = sweep_choices(FLAGS.kv_format, tokens, FLAGS.topk)
             for _ in range(FLAGS.passes):
-                for key, (variant, tile, splits) in sweep_choices(FLAGS.kv_format, tokens, FLAGS.topk).items():
+                for key, (variant, tile, splits) in choices.items():
                     timings.setdefault(key, []).append(
                         calibration.time_choice(cache, tokens, heads, FLAGS.topk, variant, tile, splits))
             measured = {key: sum(v) / len(v) for key, v in timings.items()}
@@ -229,13 +230,14 @@ def main(argv):
             rows.append(row)
             print(json.dumps(row), flush=True)
             # Written after every shape, so a run cut short keeps what it timed.
+            record = {"device": device.name, "kv_format": FLAGS.kv_format, "topk": FLAGS.topk,
+                      "constants": constants, "calibrated_formats": formats,
+                      "default_constants": default_model.to_dict(), "rows": rows}
             os.makedirs(FLAGS.out_dir, exist_ok=True)
             with open(os.path.join(FLAGS.out_dir, "planner_sweep.json"), "w") as f:
-                json.dump({"device": device.name, "kv_format": FLAGS.kv_format, "topk": FLAGS.topk,
-                           "constants": constants, "calibrated_formats": formats,
-                           "default_constants": default_model.to_dict(), "rows": rows}, f, indent=1)
+                json.dump(record, f, indent=1)
     text = table(device.name, FLAGS.kv_format, FLAGS.topk, rows, constants, default_model.to_dict(),
-                 "run's" if formats == ["none"] else "calibrated")
+                 run_label({"calibrated_formats": formats}))
     with open(os.path.join(FLAGS.out_dir, "planner_sweep.md"), "w") as f:
         f.write(text)
     print("\n" + text)

@@ -204,9 +204,9 @@ def measure_cost_model(device, *, formats, heads, topks, progress: Optional[Call
     caches = {}
     for kv_format, tokens, h, topk in shapes:
         cache = caches.setdefault(kv_format, RandomCache(kv_format))
+        positions = kernel_tables.decode_positions(kv_format, topk)  # the candidates the kernels read
         for variant, tile, splits in calibration_choices(tokens, h, kv_format):
             measured = time_choice(cache, tokens, h, topk, variant, tile, splits)
-            positions = kernel_tables.decode_positions(kv_format, topk)  # the candidates the kernels read
             samples.append((kv_format, tokens, h, positions, variant, tile, splits, measured))
             done += 1
             if progress is not None:
