@@ -1,0 +1,326 @@
+// Measures the two ways a small-T decode call's split partials can be merged, on the split kernel's
+// grid and partial-state layout (split_workspace.h), and checks that both give the same bits:
+//  * separate: the library's combine (combine.cu), launched as the programmatic dependent of the
+//    kernel that stores the partials — what the library does;
+//  * fused: the merge folded into that kernel — the last block of a (token, head tile) to store its
+//    partial (an arrival counter in global memory, reset by the merging block so that replays start
+//    from zero) merges the tile's rows over every split in the combine's summation order.
+// The storing kernel stands in for the split kernel's epilogue: every block copies its (split, token,
+// head tile) partial rows and lse values from a source buffer into the workspace, as the split kernel
+// stores them from registers, so the two variants differ in the merge only. Timing: CUDA events around
+// every launch, the variants interleaved, medians of 300 repeats after 30 warm-up runs.
+//
+// Build and run from the repository root (sm_90a):
+//   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -arch=sm_90a kernels/cuda/tests/fused_merge_probe.cu \
+//       kernels/cuda/combine.cu -o /tmp/fused_merge_probe && /tmp/fused_merge_probe
+// Exit status 0 when every case's fused output equals the separate one bit for bit.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/combine.h"
+#include "kernels/cuda/combine_shape.h"
+#include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/launch_params.h"
+#include "kernels/cuda/softmax_merge.cuh"
+#include "kernels/cuda/split_workspace.h"
+
+namespace {
+
+using namespace jsmla::cuda;
+
+constexpr int kDv = 512;
+constexpr int kThreads = 384;   // the Hopper split kernels' block (both head tiles)
+constexpr int kMaxSplits = 64;  // the fused block's weight table
+constexpr int kReduceWarps = 8;  // the narrow combine's block of 256 threads: its lse sums add 8 warp sums
+static_assert(kMaxSplits <= 32 * kReduceWarps, "the combine's block reduction holds one split per thread");
+
+#define CHECK_CUDA(x)                                                                      \
+  do {                                                                                     \
+    cudaError_t e_ = (x);                                                                  \
+    if (e_ != cudaSuccess) {                                                               \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+struct ProbeParams {
+  const float* source_out;  // the partial rows to store, the workspace's layout
+  const float* source_lse;
+  SplitWorkspace workspace;
+  int num_splits;
+  int num_tokens;
+  int num_heads;
+  int head_tile;
+  unsigned* arrivals;  // [T * H / head_tile], zero between launches
+  uint16_t* out;       // bf16 bits [T, H, d_v]
+  float* lse;          // [T, H]
+};
+
+// The sum of one value per lane, the same in every lane (combine.cuh's block_reduce warp tree).
+__device__ float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+__device__ float warp_max(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// Block (split, tile): stores its partial rows; with kFused the tile's last block then merges them.
+template <bool kFused>
+__global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __grid_constant__ ProbeParams p) {
+  if constexpr (!kFused) allow_dependent_launch();
+  const int split = blockIdx.x;
+  const int tile = blockIdx.y;
+  const int tiles_per_token = p.num_heads / p.head_tile;
+  const int token = tile / tiles_per_token;
+  const int head_begin = (tile % tiles_per_token) * p.head_tile;
+  const int vectors = p.head_tile * kDv / 4;  // float4 of the tile's rows
+  const int64_t first_row = SplitWorkspace::row(split, token, head_begin, p.num_tokens, p.num_heads);
+  const float4* const source = reinterpret_cast<const float4*>(p.source_out + first_row * kDv);
+  float4* const target = reinterpret_cast<float4*>(p.workspace.partial_out + first_row * kDv);
+  for (int v = threadIdx.x; v < vectors; v += kThreads) target[v] = source[v];
+  if (threadIdx.x < p.head_tile) p.workspace.partial_lse[first_row + threadIdx.x] = p.source_lse[first_row + threadIdx.x];
+  if constexpr (kFused) {
+    __shared__ bool last;
+    __shared__ float weight[64][kMaxSplits];  // [row of the tile][split]
+    __shared__ float row_lse[64];
+    __threadfence();  // this block's stores before its arrival
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&p.arrivals[tile], 1u) == static_cast<unsigned>(p.num_splits - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // the other blocks' stores, seen after their arrivals
+    if (threadIdx.x == 0) p.arrivals[tile] = 0;  // the next launch counts from zero
+
+    // Weights: a warp per row, the combine's reductions (lse max; exp sums as 8 warp sums in order).
+    const int lane = threadIdx.x % 32;
+    for (int r = threadIdx.x / 32; r < p.head_tile; r += kThreads / 32) {
+      const int head = head_begin + r;
+      auto split_lse = [&](int s) {
+        return s < p.num_splits
+                   ? __ldcg(p.workspace.partial_lse + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads))
+                   : -INFINITY;
+      };
+      float max_lse = -INFINITY;
+      for (int w = 0; w < kReduceWarps; ++w) max_lse = fmaxf(max_lse, warp_max(split_lse(lane + 32 * w)));
+      float sum = 0.0f;
+      for (int w = 0; w < kReduceWarps; ++w) {
+        const float own = lane + 32 * w < p.num_splits && max_lse != -INFINITY ? expf(split_lse(lane + 32 * w) - max_lse) : 0.0f;
+        const float warp_total = warp_sum(own);
+        sum = w == 0 ? warp_total : sum + warp_total;
+      }
+      const float splits_lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
+      const float lse = lse_with_sink(splits_lse, -INFINITY);
+      for (int s = lane; s < p.num_splits; s += 32) weight[r][s] = state_weight(split_lse(s), lse);
+      if (lane == 0) row_lse[r] = lse;
+    }
+    __syncthreads();
+
+    // Sums: split s in merge group s % 8, a group's splits in order from zero, the groups in order.
+    for (int v = threadIdx.x; v < vectors; v += kThreads) {
+      const int r = v / (kDv / 4);
+      const int column = 4 * (v % (kDv / 4));
+      float4 acc[kMergeGroups];
+#pragma unroll
+      for (int g = 0; g < kMergeGroups; ++g) acc[g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int first = 0; first < p.num_splits; first += kMergeGroups) {
+        float4 value[kMergeGroups];
+#pragma unroll
+        for (int g = 0; g < kMergeGroups; ++g) {
+          const int s = first + g;
+          value[g] = s < p.num_splits && weight[r][s] != 0.0f
+                         ? __ldcg(reinterpret_cast<const float4*>(
+                               p.workspace.partial_out +
+                               SplitWorkspace::row(s, token, head_begin + r, p.num_tokens, p.num_heads) * kDv + column))
+                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int g = 0; g < kMergeGroups; ++g) {
+          const int s = first + g;
+          if (s >= p.num_splits) break;
+          const float w = weight[r][s];
+          acc[g] = make_float4(fmaf(w, value[g].x, acc[g].x), fmaf(w, value[g].y, acc[g].y),
+                               fmaf(w, value[g].z, acc[g].z), fmaf(w, value[g].w, acc[g].w));
+        }
+      }
+      float4 total = acc[0];
+#pragma unroll
+      for (int g = 1; g < kMergeGroups; ++g) {
+        total.x += acc[g].x;
+        total.y += acc[g].y;
+        total.z += acc[g].z;
+        total.w += acc[g].w;
+      }
+      const int64_t row = static_cast<int64_t>(token) * p.num_heads + head_begin + r;
+      *reinterpret_cast<uint2*>(p.out + row * kDv + column) =
+          make_uint2(pack_bf16x2(total.x, total.y), pack_bf16x2(total.z, total.w));
+      if (column == 0) p.lse[row] = row_lse[r];
+    }
+  }
+}
+
+struct Case {
+  int num_tokens, num_heads, head_tile, num_splits;
+};
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  int sm_count = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, sm_count);
+  const Case cases[] = {{1, 128, 64, 16}, {1, 128, 64, 32}, {1, 128, 64, 64}, {2, 128, 64, 16},
+                        {4, 128, 64, 8},  {1, 16, 16, 32},  {1, 16, 16, 64},  {8, 16, 16, 8}};
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  bool all_equal = true;
+  std::printf("%-26s %12s %12s %12s %12s %10s\n", "case (T, H, tile, splits)", "store us", "+combine us",
+              "fused us", "fused/sep", "bits");
+  for (const Case& c : cases) {
+    if (c.head_tile > 64 || c.num_splits > kMaxSplits || c.num_heads % c.head_tile != 0) {
+      std::fprintf(stderr, "case outside the fused block's tables (64 rows, %d splits)\n", kMaxSplits);
+      return 2;
+    }
+    const int64_t rows = int64_t{c.num_splits} * c.num_tokens * c.num_heads;
+    std::mt19937 rng(1234 + c.num_splits);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> host_out(rows * kDv), host_lse(rows);
+    for (float& x : host_out) x = normal(rng);
+    for (int64_t i = 0; i < rows; ++i) host_lse[i] = 2.0f * normal(rng) + 5.0f;
+    for (int64_t i = 0; i < rows; i += 7) host_lse[i] = -INFINITY;  // empty splits: weight 0
+    const size_t workspace_bytes = SplitWorkspace::bytes(c.num_splits, c.num_tokens, c.num_heads, kDv);
+    float *source_out, *source_lse, *lse_sep, *lse_fused;
+    void* workspace;
+    uint16_t *out_sep, *out_fused;
+    unsigned* arrivals;
+    const int tiles = c.num_tokens * c.num_heads / c.head_tile;
+    CHECK_CUDA(cudaMalloc(&source_out, rows * kDv * sizeof(float)));
+    CHECK_CUDA(cudaMalloc(&source_lse, rows * sizeof(float)));
+    CHECK_CUDA(cudaMalloc(&workspace, workspace_bytes));
+    CHECK_CUDA(cudaMalloc(&out_sep, int64_t{c.num_tokens} * c.num_heads * kDv * 2));
+    CHECK_CUDA(cudaMalloc(&out_fused, int64_t{c.num_tokens} * c.num_heads * kDv * 2));
+    CHECK_CUDA(cudaMalloc(&lse_sep, int64_t{c.num_tokens} * c.num_heads * 4));
+    CHECK_CUDA(cudaMalloc(&lse_fused, int64_t{c.num_tokens} * c.num_heads * 4));
+    CHECK_CUDA(cudaMalloc(&arrivals, tiles * sizeof(unsigned)));
+    CHECK_CUDA(cudaMemset(arrivals, 0, tiles * sizeof(unsigned)));
+    CHECK_CUDA(cudaMemcpy(source_out, host_out.data(), rows * kDv * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(source_lse, host_lse.data(), rows * sizeof(float), cudaMemcpyHostToDevice));
+
+    ProbeParams p{};
+    p.source_out = source_out;
+    p.source_lse = source_lse;
+    p.workspace = SplitWorkspace::carve(workspace, c.num_splits, c.num_tokens, c.num_heads, kDv);
+    p.num_splits = c.num_splits;
+    p.num_tokens = c.num_tokens;
+    p.num_heads = c.num_heads;
+    p.head_tile = c.head_tile;
+    p.arrivals = arrivals;
+    CombineParams cp{};
+    cp.workspace = p.workspace;
+    cp.num_splits = c.num_splits;
+    cp.num_tokens = c.num_tokens;
+    cp.num_heads = c.num_heads;
+    cp.out = out_sep;
+    cp.lse = lse_sep;
+    const dim3 grid(c.num_splits, tiles);
+    auto store_only = [&]() { store_partials_kernel<false><<<grid, kThreads, 0, stream>>>(p); };
+    auto separate = [&]() {
+      store_partials_kernel<false><<<grid, kThreads, 0, stream>>>(p);
+      CHECK_CUDA(launch_combine(cp, kDv, sm_count, /*dependent=*/true, stream));
+    };
+    ProbeParams pf = p;
+    pf.out = out_fused;
+    pf.lse = lse_fused;
+    auto fused = [&]() { store_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pf); };
+
+    std::vector<float> t_store, t_separate, t_fused;
+    for (int rep = 0; rep < 330; ++rep) {
+      const bool keep = rep >= 30;
+      int variant = 0;
+      for (auto* launch : {&t_store, &t_separate, &t_fused}) {
+        CHECK_CUDA(cudaEventRecord(e0, stream));
+        if (variant == 0) store_only();
+        if (variant == 1) separate();
+        if (variant == 2) fused();
+        CHECK_CUDA(cudaEventRecord(e1, stream));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0.0f;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        if (keep) launch->push_back(1000.0f * ms);
+        ++variant;
+      }
+    }
+    CHECK_CUDA(cudaGetLastError());
+    const int64_t out_count = int64_t{c.num_tokens} * c.num_heads * kDv;
+    std::vector<uint16_t> a(out_count), b(out_count);
+    std::vector<float> la(c.num_tokens * c.num_heads), lb(c.num_tokens * c.num_heads);
+    CHECK_CUDA(cudaMemcpy(a.data(), out_sep, out_count * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(b.data(), out_fused, out_count * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(la.data(), lse_sep, la.size() * 4, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(lb.data(), lse_fused, lb.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<unsigned> counters(tiles);
+    CHECK_CUDA(cudaMemcpy(counters.data(), arrivals, tiles * sizeof(unsigned), cudaMemcpyDeviceToHost));
+    const bool equal = std::memcmp(a.data(), b.data(), out_count * 2) == 0 &&
+                       std::memcmp(la.data(), lb.data(), la.size() * 4) == 0 &&
+                       std::all_of(counters.begin(), counters.end(), [](unsigned x) { return x == 0; });
+    // The merge itself against a float64 reference of the same weights (the probe's own check that the
+    // order it reproduces is a merge at all; both variants are compared bitwise above).
+    double max_error = 0.0;
+    for (int t = 0; t < c.num_tokens; ++t) {
+      for (int h = 0; h < c.num_heads; ++h) {
+        double m = -INFINITY, s = 0.0;
+        for (int k = 0; k < c.num_splits; ++k) m = std::max(m, double(host_lse[SplitWorkspace::row(k, t, h, c.num_tokens, c.num_heads)]));
+        for (int k = 0; k < c.num_splits; ++k) s += std::exp(double(host_lse[SplitWorkspace::row(k, t, h, c.num_tokens, c.num_heads)]) - m);
+        for (int d = 0; d < kDv; ++d) {
+          double ref = 0.0;
+          for (int k = 0; k < c.num_splits; ++k) {
+            const int64_t r = SplitWorkspace::row(k, t, h, c.num_tokens, c.num_heads);
+            if (host_lse[r] != -INFINITY) ref += std::exp(double(host_lse[r]) - m) / s * host_out[r * kDv + d];
+          }
+          uint32_t bits = uint32_t{b[(int64_t(t) * c.num_heads + h) * kDv + d]} << 16;
+          float got;
+          std::memcpy(&got, &bits, 4);
+          max_error = std::max(max_error, std::fabs(got - ref) / (std::fabs(ref) + 1e-2));
+        }
+      }
+    }
+    const bool close = max_error < 1e-2;  // bf16 rounding of the output
+    all_equal = all_equal && equal && close;
+    char label[64];
+    std::snprintf(label, sizeof label, "T=%d H=%d tile=%d S=%d", c.num_tokens, c.num_heads, c.head_tile, c.num_splits);
+    const float ts = median(t_store), tsep = median(t_separate), tf = median(t_fused);
+    std::printf("%-26s %12.2f %12.2f %12.2f %12.2f %10s  (fused merge tail %.2f us, combine %.2f us; ref err %.1e)\n",
+                label, ts, tsep, tf, tf / tsep, equal ? (close ? "equal" : "BAD-REF") : "DIFFER", tf - ts, tsep - ts,
+                max_error);
+    cudaFree(source_out);
+    cudaFree(source_lse);
+    cudaFree(workspace);
+    cudaFree(out_sep);
+    cudaFree(out_fused);
+    cudaFree(lse_sep);
+    cudaFree(lse_fused);
+    cudaFree(arrivals);
+  }
+  std::printf("%s\n", all_equal ? "fused_merge_probe: PASS" : "fused_merge_probe: FAIL");
+  return all_equal ? 0 : 1;
+}
