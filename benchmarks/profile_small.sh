@@ -4,11 +4,13 @@
 # H = 128), warp-stall sampling of the Hopper split kernel at T = 1
 # H = 128, the standalone headline timings (split merge launched as a programmatic dependent or not)
 # and, when FlashMLA's sources are in $JSMLA_FLASHMLA_SRC (default .anchors/flashmla), its kernels
-# for the same shapes. Output: $OUT (default /tmp/jsmla_profile); a summary is printed.
+# for the same shapes. Output: $OUT (default /tmp/jsmla_profile): the printed summary (also in summary.md)
+# and the logs, reports and CSVs in logs.tgz (a device call returns few files).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_profile}
 mkdir -p "$out"
+exec > >(tee "$out/summary.md") 2>&1  # the printed summary, also kept as a file
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 source "$repo/benchmarks/flashmla_build.sh"
 start_flashmla_build
@@ -54,3 +56,6 @@ PY
 else
   echo "FlashMLA not built:"; tail -3 "$out/flashmla_build.log"
 fi
+# Logs in one archive; the summary stays beside it.
+(cd "$out" && find . -type f ! -name summary.md ! -name '*.tgz' -print0 \
+   | tar czf logs.tgz --null -T - --remove-files 2>/dev/null)
