@@ -4,10 +4,13 @@
 //    kernel that stores the partials — what the library does;
 //  * fused: the merge folded into that kernel — the last block of a (token, head tile) to store its
 //    partial (an arrival counter in global memory, reset by the merging block so that replays start
-//    from zero) merges the tile's rows over every split in the combine's summation order.
+//    from zero) merges the tile's rows over every split in the combine's summation order, its own
+//    split's rows from shared memory (where the split kernel's epilogue can stage them) and the
+//    others' from the workspace.
 // The storing kernel stands in for the split kernel's epilogue: every block copies its (split, token,
 // head tile) partial rows and lse values from a source buffer into the workspace, as the split kernel
-// stores them from registers, so the two variants differ in the merge only. Timing: CUDA events around
+// stores them from registers, so the two variants differ in the merge only ("arrive": the fused
+// protocol without the merge, its fixed cost). Timing: CUDA events around
 // every launch, the variants interleaved, medians of 300 repeats after 30 warm-up runs.
 //
 // Build and run from the repository root (sm_90a):
@@ -59,6 +62,7 @@ struct ProbeParams {
   int num_heads;
   int head_tile;
   unsigned* arrivals;  // [T * H / head_tile], zero between launches
+  bool merge;          // false: the fused protocol's arrivals only (its cost without the merge)
   uint16_t* out;       // bf16 bits [T, H, d_v]
   float* lse;          // [T, H]
 };
@@ -75,10 +79,26 @@ __device__ float warp_max(float value) {
   return value;
 }
 
-// Block (split, tile): stores its partial rows; with kFused the tile's last block then merges them.
+// The fused merging block's shared memory: its own partial rows (the split kernel's epilogue can stage
+// them there, its tile buffers being free by then), the tile's (row, split) lse values and weights.
+struct FusedShared {
+  float4 own[64 * kDv / 4];
+  float lse[64][kMaxSplits];
+  float weight[64][kMaxSplits];
+  float row_lse[64];
+  bool last;
+};
+
+// Block (split, tile): stores its partial rows; with kFused the tile's last block then merges them:
+// every (row, split) lse in one round of loads, the weights from shared memory (the combine's
+// reductions: lse max; exp sums as 8 warp sums in order), then the sums (split s in merge group
+// s % 8, a group's splits in order from zero, the groups in order) over kBatch of a thread's float4
+// columns at a time, the batch's loads of a split all in flight.
 template <bool kFused>
 __global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __grid_constant__ ProbeParams p) {
   if constexpr (!kFused) allow_dependent_launch();
+  extern __shared__ __align__(16) uint8_t shared_raw[];
+  FusedShared& sh = *reinterpret_cast<FusedShared*>(shared_raw);
   const int split = blockIdx.x;
   const int tile = blockIdx.y;
   const int tiles_per_token = p.num_heads / p.head_tile;
@@ -88,83 +108,105 @@ __global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __gri
   const int64_t first_row = SplitWorkspace::row(split, token, head_begin, p.num_tokens, p.num_heads);
   const float4* const source = reinterpret_cast<const float4*>(p.source_out + first_row * kDv);
   float4* const target = reinterpret_cast<float4*>(p.workspace.partial_out + first_row * kDv);
-  for (int v = threadIdx.x; v < vectors; v += kThreads) target[v] = source[v];
+  for (int v = threadIdx.x; v < vectors; v += kThreads) {
+    const float4 x = source[v];
+    target[v] = x;
+    if constexpr (kFused) sh.own[v] = x;
+  }
   if (threadIdx.x < p.head_tile) p.workspace.partial_lse[first_row + threadIdx.x] = p.source_lse[first_row + threadIdx.x];
   if constexpr (kFused) {
-    __shared__ bool last;
-    __shared__ float weight[64][kMaxSplits];  // [row of the tile][split]
-    __shared__ float row_lse[64];
-    __threadfence();  // this block's stores before its arrival
+    // The block's stores (ordered before thread 0's fence by the barrier) before its arrival; the
+    // last block's fence after the counter orders the other blocks' stores before its loads.
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&p.arrivals[tile], 1u) == static_cast<unsigned>(p.num_splits - 1);
+    if (threadIdx.x == 0) {
+      __threadfence();
+      sh.last = atomicAdd(&p.arrivals[tile], 1u) == static_cast<unsigned>(p.num_splits - 1);
+      if (sh.last) {
+        __threadfence();
+        p.arrivals[tile] = 0;  // the next launch counts from zero
+      }
+    }
     __syncthreads();
-    if (!last) return;
-    __threadfence();  // the other blocks' stores, seen after their arrivals
-    if (threadIdx.x == 0) p.arrivals[tile] = 0;  // the next launch counts from zero
+    if (!sh.last || !p.merge) return;
 
-    // Weights: a warp per row, the combine's reductions (lse max; exp sums as 8 warp sums in order).
+    for (int i = threadIdx.x; i < p.head_tile * p.num_splits; i += kThreads) {
+      const int r = i / p.num_splits, s = i % p.num_splits;
+      sh.lse[r][s] = __ldcg(p.workspace.partial_lse + SplitWorkspace::row(s, token, head_begin + r, p.num_tokens, p.num_heads));
+    }
+    __syncthreads();
     const int lane = threadIdx.x % 32;
     for (int r = threadIdx.x / 32; r < p.head_tile; r += kThreads / 32) {
-      const int head = head_begin + r;
-      auto split_lse = [&](int s) {
-        return s < p.num_splits
-                   ? __ldcg(p.workspace.partial_lse + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads))
-                   : -INFINITY;
-      };
+      auto split_lse = [&](int s) { return s < p.num_splits ? sh.lse[r][s] : -INFINITY; };
+      // The combine's warps past the last split add exactly +0 (and -inf to the max): skipped here.
+      const int warps = (p.num_splits + 31) / 32;
       float max_lse = -INFINITY;
-      for (int w = 0; w < kReduceWarps; ++w) max_lse = fmaxf(max_lse, warp_max(split_lse(lane + 32 * w)));
+      for (int w = 0; w < warps; ++w) max_lse = fmaxf(max_lse, warp_max(split_lse(lane + 32 * w)));
       float sum = 0.0f;
-      for (int w = 0; w < kReduceWarps; ++w) {
-        const float own = lane + 32 * w < p.num_splits && max_lse != -INFINITY ? expf(split_lse(lane + 32 * w) - max_lse) : 0.0f;
-        const float warp_total = warp_sum(own);
+      for (int w = 0; w < warps; ++w) {
+        const float term = lane + 32 * w < p.num_splits && max_lse != -INFINITY ? expf(split_lse(lane + 32 * w) - max_lse) : 0.0f;
+        const float warp_total = warp_sum(term);
         sum = w == 0 ? warp_total : sum + warp_total;
       }
       const float splits_lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
       const float lse = lse_with_sink(splits_lse, -INFINITY);
-      for (int s = lane; s < p.num_splits; s += 32) weight[r][s] = state_weight(split_lse(s), lse);
-      if (lane == 0) row_lse[r] = lse;
+      for (int s = lane; s < p.num_splits; s += 32) sh.weight[r][s] = state_weight(split_lse(s), lse);
+      if (lane == 0) sh.row_lse[r] = lse;
     }
     __syncthreads();
 
-    // Sums: split s in merge group s % 8, a group's splits in order from zero, the groups in order.
-    for (int v = threadIdx.x; v < vectors; v += kThreads) {
-      const int r = v / (kDv / 4);
-      const int column = 4 * (v % (kDv / 4));
-      float4 acc[kMergeGroups];
+    constexpr int kBatch = 8;
+    for (int j0 = 0; threadIdx.x + kThreads * j0 < vectors; j0 += kBatch) {
+      float4 total[kBatch];
 #pragma unroll
-      for (int g = 0; g < kMergeGroups; ++g) acc[g] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      for (int first = 0; first < p.num_splits; first += kMergeGroups) {
-        float4 value[kMergeGroups];
+      for (int g = 0; g < kMergeGroups; ++g) {
+        float4 acc[kBatch];
 #pragma unroll
-        for (int g = 0; g < kMergeGroups; ++g) {
-          const int s = first + g;
-          value[g] = s < p.num_splits && weight[r][s] != 0.0f
-                         ? __ldcg(reinterpret_cast<const float4*>(
-                               p.workspace.partial_out +
-                               SplitWorkspace::row(s, token, head_begin + r, p.num_tokens, p.num_heads) * kDv + column))
-                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int b = 0; b < kBatch; ++b) acc[b] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int s = g; s < p.num_splits; s += kMergeGroups) {
+          float4 value[kBatch];
+          float weight[kBatch];
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            const int v = threadIdx.x + kThreads * (j0 + b);
+            const int r = v / (kDv / 4);
+            weight[b] = v < vectors ? sh.weight[r][s] : 0.0f;
+            // weight 0 adds an exact 0 (its row is never read)
+            value[b] = weight[b] == 0.0f ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                       : s == split      ? sh.own[v]
+                                         : __ldcg(reinterpret_cast<const float4*>(
+                                               p.workspace.partial_out +
+                                               SplitWorkspace::row(s, token, head_begin + r, p.num_tokens, p.num_heads) * kDv +
+                                               4 * (v % (kDv / 4))));
+          }
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            acc[b] = make_float4(fmaf(weight[b], value[b].x, acc[b].x), fmaf(weight[b], value[b].y, acc[b].y),
+                                 fmaf(weight[b], value[b].z, acc[b].z), fmaf(weight[b], value[b].w, acc[b].w));
+          }
         }
 #pragma unroll
-        for (int g = 0; g < kMergeGroups; ++g) {
-          const int s = first + g;
-          if (s >= p.num_splits) break;
-          const float w = weight[r][s];
-          acc[g] = make_float4(fmaf(w, value[g].x, acc[g].x), fmaf(w, value[g].y, acc[g].y),
-                               fmaf(w, value[g].z, acc[g].z), fmaf(w, value[g].w, acc[g].w));
+        for (int b = 0; b < kBatch; ++b) {
+          if (g == 0) {
+            total[b] = acc[b];
+          } else {
+            total[b].x += acc[b].x;
+            total[b].y += acc[b].y;
+            total[b].z += acc[b].z;
+            total[b].w += acc[b].w;
+          }
         }
       }
-      float4 total = acc[0];
 #pragma unroll
-      for (int g = 1; g < kMergeGroups; ++g) {
-        total.x += acc[g].x;
-        total.y += acc[g].y;
-        total.z += acc[g].z;
-        total.w += acc[g].w;
+      for (int b = 0; b < kBatch; ++b) {
+        const int v = threadIdx.x + kThreads * (j0 + b);
+        if (v >= vectors) break;
+        const int r = v / (kDv / 4);
+        const int column = 4 * (v % (kDv / 4));
+        const int64_t row = static_cast<int64_t>(token) * p.num_heads + head_begin + r;
+        *reinterpret_cast<uint2*>(p.out + row * kDv + column) =
+            make_uint2(pack_bf16x2(total[b].x, total[b].y), pack_bf16x2(total[b].z, total[b].w));
+        if (column == 0) p.lse[row] = sh.row_lse[r];
       }
-      const int64_t row = static_cast<int64_t>(token) * p.num_heads + head_begin + r;
-      *reinterpret_cast<uint2*>(p.out + row * kDv + column) =
-          make_uint2(pack_bf16x2(total.x, total.y), pack_bf16x2(total.z, total.w));
-      if (column == 0) p.lse[row] = row_lse[r];
     }
   }
 }
@@ -187,15 +229,18 @@ int main() {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, sm_count);
   const Case cases[] = {{1, 128, 64, 16}, {1, 128, 64, 32}, {1, 128, 64, 64}, {2, 128, 64, 16},
-                        {4, 128, 64, 8},  {1, 16, 16, 32},  {1, 16, 16, 64},  {8, 16, 16, 8}};
+                        {4, 128, 64, 8},  {1, 16, 16, 32},  {1, 16, 16, 64},  {8, 16, 16, 8},
+                        {16, 128, 64, 4}, {32, 128, 64, 2}, {64, 16, 16, 2},  {32, 16, 16, 4}};
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
+  CHECK_CUDA(cudaFuncSetAttribute(store_partials_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(sizeof(FusedShared))));
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
   bool all_equal = true;
-  std::printf("%-26s %12s %12s %12s %12s %10s\n", "case (T, H, tile, splits)", "store us", "+combine us",
-              "fused us", "fused/sep", "bits");
+  std::printf("%-26s %12s %12s %12s %12s %12s %10s\n", "case (T, H, tile, splits)", "store us", "+combine us",
+              "arrive us", "fused us", "fused/sep", "bits");
   for (const Case& c : cases) {
     if (c.head_tile > 64 || c.num_splits > kMaxSplits || c.num_heads % c.head_tile != 0) {
       std::fprintf(stderr, "case outside the fused block's tables (64 rows, %d splits)\n", kMaxSplits);
@@ -251,17 +296,22 @@ int main() {
     ProbeParams pf = p;
     pf.out = out_fused;
     pf.lse = lse_fused;
-    auto fused = [&]() { store_partials_kernel<true><<<grid, kThreads, 0, stream>>>(pf); };
+    pf.merge = true;
+    auto fused = [&]() { store_partials_kernel<true><<<grid, kThreads, sizeof(FusedShared), stream>>>(pf); };
+    ProbeParams pa = pf;
+    pa.merge = false;
+    auto arrive_only = [&]() { store_partials_kernel<true><<<grid, kThreads, sizeof(FusedShared), stream>>>(pa); };
 
-    std::vector<float> t_store, t_separate, t_fused;
+    std::vector<float> t_store, t_separate, t_fused, t_arrive;
     for (int rep = 0; rep < 330; ++rep) {
       const bool keep = rep >= 30;
       int variant = 0;
-      for (auto* launch : {&t_store, &t_separate, &t_fused}) {
+      for (auto* launch : {&t_store, &t_separate, &t_arrive, &t_fused}) {
         CHECK_CUDA(cudaEventRecord(e0, stream));
         if (variant == 0) store_only();
         if (variant == 1) separate();
-        if (variant == 2) fused();
+        if (variant == 2) arrive_only();
+        if (variant == 3) fused();
         CHECK_CUDA(cudaEventRecord(e1, stream));
         CHECK_CUDA(cudaEventSynchronize(e1));
         float ms = 0.0f;
@@ -308,9 +358,9 @@ int main() {
     all_equal = all_equal && equal && close;
     char label[64];
     std::snprintf(label, sizeof label, "T=%d H=%d tile=%d S=%d", c.num_tokens, c.num_heads, c.head_tile, c.num_splits);
-    const float ts = median(t_store), tsep = median(t_separate), tf = median(t_fused);
-    std::printf("%-26s %12.2f %12.2f %12.2f %12.2f %10s  (fused merge tail %.2f us, combine %.2f us; ref err %.1e)\n",
-                label, ts, tsep, tf, tf / tsep, equal ? (close ? "equal" : "BAD-REF") : "DIFFER", tf - ts, tsep - ts,
+    const float ts = median(t_store), tsep = median(t_separate), tf = median(t_fused), ta = median(t_arrive);
+    std::printf("%-26s %12.2f %12.2f %12.2f %12.2f %12.2f %10s  (fused merge tail %.2f us, combine %.2f us; ref err %.1e)\n",
+                label, ts, tsep, ta, tf, tf / tsep, equal ? (close ? "equal" : "BAD-REF") : "DIFFER", tf - ts, tsep - ts,
                 max_error);
     cudaFree(source_out);
     cudaFree(source_lse);
