@@ -10,8 +10,8 @@
 // The storing kernel stands in for the split kernel's epilogue: every block copies its (split, token,
 // head tile) partial rows and lse values from a source buffer into the workspace, as the split kernel
 // stores them from registers, so the two variants differ in the merge only ("arrive": the fused
-// protocol without the merge, its fixed cost). Timing: CUDA events around
-// every launch, the variants interleaved, medians of 300 repeats after 30 warm-up runs.
+// protocol without the merge, its fixed cost). Timing: CUDA events around every launch, the variants
+// interleaved, medians of 300 repeats after 30 warm-up runs.
 //
 // Build and run from the repository root (sm_90a):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -arch=sm_90a kernels/cuda/tests/fused_merge_probe.cu \
