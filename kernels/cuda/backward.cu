@@ -31,6 +31,7 @@
 #include "kernels/common/numeric.h"
 #include "kernels/common/params.h"
 #include "kernels/cuda/backward/mma_config.h"
+#include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/kernel_list.h"
 #include "kernels/cuda/kernel_table.h"
 #include "kernels/cuda/launch_params.h"
@@ -79,13 +80,6 @@ __device__ float key_lane(const FormatTraits& f, const CacheView& cache, int64_t
   const uint8_t* row = cache.data_row(slot);
   if (d < f.quant_dim) return quantized_lane(f, row, d) * group_scale(f, cache.scales(f, slot), d / f.group_size);
   return bf16_to_float(load_u16_le(row + f.bf16_offset + 2 * (d - f.quant_dim)));
-}
-
-// The warp's sum of `x` by a fixed butterfly: every lane gets the same bits.
-__device__ float warp_sum(float x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
 }
 
 __device__ float attention_weight(float score, float lse) {

@@ -22,6 +22,7 @@
 #include <climits>
 
 #include "kernels/cuda/combine_shape.h"
+#include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/softmax_merge.cuh"
 
@@ -32,11 +33,7 @@ namespace jsmla::cuda {
 template <bool kMax, int kThreads>
 JSMLA_DEVICE float block_reduce(float value, float* scratch) {
   static_assert(kThreads % 32 == 0 && kThreads / 32 <= 32, "one partial per warp in one warp");
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(0xffffffffu, value, offset);
-    value = kMax ? fmaxf(value, other) : value + other;
-  }
+  value = kMax ? warp_max(value) : warp_sum(value);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = value;
   __syncthreads();
   float total = scratch[0];
@@ -261,12 +258,8 @@ __global__ void __launch_bounds__(32 * kWarps) combine_rows_by_warp_kernel(const
   const float split_lse = lane < p.num_splits
                               ? p.workspace.partial_lse[SplitWorkspace::row(lane, token, head, p.num_tokens, p.num_heads)]
                               : -INFINITY;
-  float max_lse = split_lse;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
-  float sum = (max_lse != -INFINITY && lane < p.num_splits) ? expf(split_lse - max_lse) : 0.0f;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  const float max_lse = warp_max(split_lse);
+  const float sum = warp_sum((max_lse != -INFINITY && lane < p.num_splits) ? expf(split_lse - max_lse) : 0.0f);
   const float splits_lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
   const float lse = lse_with_sink(splits_lse, p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY);
   const float own_weight = state_weight(split_lse, lse);

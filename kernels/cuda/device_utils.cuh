@@ -118,6 +118,19 @@ JSMLA_DEVICE void wait_for_prerequisite_grid() {
 #endif
 }
 
+// The sum (maximum) of one value per lane of a full warp by a fixed butterfly: every lane gets the
+// same bits, and the same bits on every run.
+JSMLA_DEVICE float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+JSMLA_DEVICE float warp_max(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
 JSMLA_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);

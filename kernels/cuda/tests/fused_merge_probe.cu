@@ -67,18 +67,6 @@ struct ProbeParams {
   float* lse;          // [T, H]
 };
 
-// The sum of one value per lane, the same in every lane (combine.cuh's block_reduce warp tree).
-__device__ float warp_sum(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
-  return value;
-}
-__device__ float warp_max(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
-}
-
 // The fused merging block's shared memory: its own partial rows (the split kernel's epilogue can stage
 // them there, its tile buffers being free by then), the tile's (row, split) lse values and weights.
 struct FusedShared {
