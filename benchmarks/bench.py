@@ -39,6 +39,8 @@ flags.DEFINE_enum("flashmla", "auto", ["auto", "on", "off"],
                   "Time DeepSeek's FlashMLA beside us on the same dsv3_2 cache bytes and indices (decode; prefill on "
                   "the dequantized BF16 cache): auto when the flash_mla package imports, on = fail without it.")
 flags.DEFINE_list("prefill_formats", ["dsv3_2", "bf16_576"], "Cache formats of the prefill cases.")
+flags.DEFINE_bool("staging_ab", True, "Where the planner stages a case's cache as a BF16 copy, also time the case "
+                  "with staging off (JSMLA_CUDA_STAGING=off) in the same run.")
 flags.DEFINE_integer("baseline_chunk_tokens", 1024,
                      "Above this many tokens the baseline runs over sequential chunks of this size (lax.map): "
                      "whole, its T = 4096 program asks for an 84 GiB allocation, more than an H200 holds.")
@@ -260,14 +262,16 @@ def run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, i
     attended = min(TOPK, fmt.max_candidates) if fmt.max_candidates else TOPK  # dots3_swa: its window
     flops = 2.0 * tokens * heads * attended * (fmt.d_qk + fmt.d_v)
     gathered = tokens * attended * fmt.bytes_per_token
-    plan = jsm.plan(q.shape, fmt, TOPK, platform="cuda" if jax.default_backend() == "gpu" else "cpu", impl=impl)
+    on_gpu = jax.default_backend() == "gpu"
+    plan = jsm.plan(q.shape, fmt, TOPK, platform="cuda" if on_gpu else "cpu", impl=impl,
+                    num_slots=num_slots if on_gpu else None)
     anchor_columns = flashmla_columns(anchor, impl, kv_format, q, cache, kv_bf16, indices, sm_scale, out, lse)
     if anchor_columns:
         anchor_columns["vs_flashmla"] = seconds * 1e6 / anchor_columns["flashmla_us"]
     return {
         **anchor_columns,
         "format": kv_format, "T": tokens, "H": heads, "topk": TOPK, "impl": impl, "variant": plan.variant,
-        "num_splits": plan.num_splits, "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6,
+        "num_splits": plan.num_splits, "staged": plan.staged_format, "us": seconds * 1e6, "us_min": fastest * 1e6, "us_max": slowest * 1e6,
         "tflops": flops / seconds / 1e12, "gbps": gathered / seconds / 1e9,
         "baseline_us": None if base_seconds is None else base_seconds * 1e6,
         "speedup": None if base_seconds is None else base_seconds / seconds,
@@ -368,6 +372,10 @@ def write_results(rows, device):
             anchor = ("— | — | — | " if "flashmla_us" not in r else
                       f"{r['flashmla_us']:.1f} | {r['vs_flashmla']:.2f} | {r['flashmla_max_diff']:.1e} | ")
         kernel = r["variant"] + (f" ({r['num_splits']} splits)" if r["variant"] == "decode" else "")
+        if r.get("staged"):
+            kernel += f" on a {r['staged']} copy"
+        elif r.get("staging") == "off":
+            kernel += ", staging off"
         if r["impl"].startswith("valid_tokens"):
             kernel += f", {r['impl']}"
         elif r["impl"] == "floor":
@@ -464,6 +472,20 @@ def main(argv):
                              with_baseline, anchor=anchor, kv_bf16=kv_bf16))
         rows[-1]["wall_s"] = time.perf_counter() - started
         print(json.dumps(rows[-1]), flush=True)
+        if rows[-1]["staged"] and FLAGS.staging_ab:
+            # The same case on the format's own kernels, in the same run (the setting is read at trace time).
+            before = os.environ.get(jsm.planner.STAGING_ENV)
+            os.environ[jsm.planner.STAGING_ENV] = "off"
+            try:
+                rows.append(dict(run_case(jsm, cache, view, kv_format, page_size, num_slots, tokens, heads, impl,
+                                          rng, False, anchor=None, kv_bf16=kv_bf16), staging="off"))
+            finally:
+                if before is None:
+                    del os.environ[jsm.planner.STAGING_ENV]
+                else:
+                    os.environ[jsm.planner.STAGING_ENV] = before
+            rows[-1]["vs_staged"] = rows[-1]["us"] / rows[-2]["us"]
+            print(json.dumps(rows[-1]), flush=True)
         write_results(rows, device)  # a run cut short still leaves its table
     if FLAGS.empty_shard:
         rows.extend(empty_shard_rows(jsm, caches["dsv3_2"], rng))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _ffi, backward, planner, validate
-from .formats import KVFormat, quantize_query_fp8
+from .formats import KVFormat, all_rows, cache_layout, decode_rows, get_format, quantize_query_fp8
 from .reference import sparse_mla_reference
 
 __all__ = ["sparse_mla", "merge_attention_states"]
@@ -257,8 +257,22 @@ def _lower_single(problem, arrays, platform):
     """The kernel call of one plan for ``platform`` (arrays by operand name, None where absent)."""
     plan = planner.plan((problem.num_tokens, problem.num_heads, problem.fmt.d_qk), problem.fmt, problem.topk,
                         extra_topk=problem.extra_topk, platform=platform, impl=problem.impl,
-                        batch_invariant=problem.batch_invariant)
+                        batch_invariant=problem.batch_invariant,
+                        num_slots=problem.layout.num_slots if platform == "cuda" else None)
+    if plan.staged_format is not None:
+        problem, arrays = _staged(problem, arrays, get_format(plan.staged_format))
     return _ffi.call(plan, problem, *(arrays.get(name) for name in _OPERANDS))
+
+
+def _staged(problem, arrays, staged_fmt):
+    """The call on a BF16 copy of every slot of the cache (a staged plan, planner module docstring): the
+    same values (the format converts to BF16 exactly), read by ``staged_fmt``'s kernels. The barrier ties
+    the copy to this call's indices, so XLA never shares one copy between calls (each call pays for the
+    copy it reads, and no copy outlives its call)."""
+    cache, indices = jax.lax.optimization_barrier((arrays["kv_cache"], arrays["indices"]))
+    rows = decode_rows(*all_rows(cache, problem.layout, problem.fmt), problem.fmt).astype(jnp.bfloat16)
+    staged = dataclasses.replace(problem, fmt=staged_fmt, layout=cache_layout(rows, staged_fmt))
+    return staged, dict(arrays, kv_cache=rows, indices=indices)
 
 
 def _two_formats(problem) -> bool:

@@ -34,6 +34,7 @@ __all__ = [
     "encode_rows",
     "decode_rows",
     "gather_rows",
+    "all_rows",
 ]
 
 
@@ -621,6 +622,27 @@ def decode_rows(data, scales, kv_format: Union[str, KVFormat]):
         rope = jax.lax.bitcast_convert_type(raw16, jnp.bfloat16).astype(jnp.float32)
         k = jnp.concatenate([k, rope], axis=-1)
     return k
+
+
+def all_rows(cache, layout: CacheLayout, kv_format: Union[str, KVFormat]):
+    """The raw bytes of every slot, in slot order, without a gather (static slices of the pages).
+
+    Returns ``(data, scales)`` like :func:`gather_rows` over ``arange(num_slots)``: uint8
+    ``[num_slots, data_row_bytes]`` and ``[num_slots, scale_row_bytes]`` (footer; ``None`` otherwise);
+    for ``bf16_*`` ``(bfloat16 [num_slots, d_qk], None)``. Bytes past a page's last row are not used.
+    """
+    fmt = get_format(kv_format)
+    pages = _as_pages(cache, layout)
+    num_pages, page_size = layout.num_pages, layout.page_size
+    if not fmt.quantized:
+        return pages.reshape(num_pages * page_size, fmt.d_qk), None
+    rows = page_size * layout.row_stride
+    data = pages[:, :rows].reshape(num_pages, page_size, layout.row_stride)[..., : fmt.data_row_bytes]
+    scales = None
+    if fmt.layout == Layout.FOOTER:
+        tail = pages[:, rows: rows + page_size * fmt.scale_row_bytes]
+        scales = tail.reshape(num_pages * page_size, fmt.scale_row_bytes)
+    return data.reshape(num_pages * page_size, fmt.data_row_bytes), scales
 
 
 def dequantize_kv(cache, kv_format: Union[str, KVFormat], page_size: Optional[int] = None):

@@ -11,28 +11,56 @@ single-pass ``prefill`` kernel and for split-K ``decode`` with each split count 
 ``tokens × head tiles`` blocks leave SMs idle (few tokens); once they fill the device in whole
 waves, splitting only adds the combine and ``prefill`` wins. ``impl="decode"``/``"prefill"`` restrict
 the choice; ``Plan.describe()`` prints the prediction and the runner-up.
+
+Staging (CUDA): a quantized cache whose values are exact in BF16 (:func:`staging_format`) can be
+dequantized once per call into a BF16 copy of every slot, which the BF16 kernels then read. The
+conversion is then done once per slot instead of once per (token, head tile) that references it, at the
+price of one pass over the cache: it pays when the rows are referenced many times (prefill: thousands
+of tokens over a pool of similar size). Given the cache's slot count, the planner weighs every choice
+both ways and stages when that is cheaper and the copy fits in :data:`STAGE_MAX_BYTES`. The
+environment variable ``JSMLA_CUDA_STAGING`` (read at trace time) overrides the choice: ``off`` never
+stages, ``on`` stages every call that can be staged (for comparisons and tests), ``auto`` (the default)
+lets the cost model decide.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Optional, Union
 
 import numpy as np
 
 from . import _ffi, calibration_store, kernel_tables
-from .formats import KVFormat, get_format
+from .formats import FORMATS, KVFormat, get_format
 from .kernel_tables import VARIANT_IDS
 from .validate import RULE
 
 __all__ = ["DeviceInfo", "DEFAULT_CUDA_DEVICE", "CostModel", "Plan", "plan", "clear_cache", "device_info",
-           "VARIANT_IDS"]
+           "VARIANT_IDS", "STAGE_MAX_BYTES", "STAGING_ENV", "staging_format", "staging_mode"]
 
 #: Candidates per split under ``batch_invariant=True`` (independent of T).
 BATCH_INVARIANT_SPLIT_SIZE = 256
 #: Split counts the planner considers (the combine reads every split of a token).
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: The largest BF16 copy of a cache (bytes) a plan may stage: the copy is a temporary of the call.
+STAGE_MAX_BYTES = 2 * 1024**3
+#: The environment variable that overrides the staging choice (module docstring).
+STAGING_ENV = "JSMLA_CUDA_STAGING"
+STAGING_MODES = ("auto", "on", "off")
+
+
+def staging_mode() -> str:
+    """The staging override of the environment (:data:`STAGING_ENV`): ``"auto"`` when unset.
+
+    Raises:
+      ValueError: a value other than ``auto``, ``on`` or ``off``.
+    """
+    text = os.environ.get(STAGING_ENV, "").strip().lower() or "auto"
+    if text not in STAGING_MODES:
+        raise ValueError(f"{STAGING_ENV}: expected one of {', '.join(STAGING_MODES)}, got {text!r}")
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +81,8 @@ class CostModel:
     grows from 1 (one block) to ``co_residency_gain`` (``resident`` blocks) with ``c``, and the last
     blocks add a tail of ``tail`` block times:
     ``launch_us + blocks * per_block / (sm_count * throughput) + tail * per_block``.
-    Many small blocks thus shorten the tail at the price of ``block_us`` each. The decode combine
+    Many small blocks thus shorten the tail at the price of ``block_us`` each. A staged plan (module
+    docstring) adds :meth:`stage_us`, the copy's pass at ``stage_gbps``. The decode combine
     streams the partial results at ``warp_combine_gbps`` in its warp shape and at ``combine_gbps`` in
     the others (:func:`jax_sparse_mla.kernel_tables.combine_shape` says which runs). The defaults were
     fitted on an H200 to sweeps that timed every plan of a grid of shapes
@@ -78,6 +107,7 @@ class CostModel:
     combine_gbps: float = 1520.0  # the combine's narrow and wide shapes (a block per row or row slice)
     warp_combine_gbps: float = 2110.0  # its warp shape (a row per warp; at most 8 splits, many rows)
     tail: float = 0.21  # the last wave's imbalance, in block times
+    stage_gbps: float = 2000.0  # staging: the cache read and its BF16 copy written, GB/s (not calibrated)
 
     def block_time_us(self, candidates_per_block: int, head_tile: int, family: str = "hopper",
                       conversion: str = "converted") -> float:
@@ -112,6 +142,11 @@ class CostModel:
         moved = num_splits * num_tokens * num_heads * (d_v + 1) * 4 + num_tokens * num_heads * (2 * d_v + 4)
         shape = kernel_tables.combine_shape(num_tokens * num_heads, num_splits, d_v, max(1, sm_count))
         return self.launch_us + moved / ((self.warp_combine_gbps if shape == "warp" else self.combine_gbps) * 1e3)
+
+    def stage_us(self, num_slots: int, fmt: KVFormat, staged: KVFormat) -> float:
+        """Dequantizing every slot of a ``fmt`` cache into ``staged`` (BF16) rows: one pass over both."""
+        moved = num_slots * (fmt.bytes_per_token + staged.bytes_per_token)
+        return self.launch_us + moved / (self.stage_gbps * 1e3)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -187,6 +222,10 @@ class Plan:
     device_name: str
     reason: str
     predicted_us: Optional[float] = None  # the cost model's estimate (CUDA)
+    # Staging (CUDA): the BF16 format the cache is dequantized into before the kernel runs (the tiles,
+    # splits and family above are that format's), and the copy's bytes; None / 0 without staging.
+    staged_format: Optional[str] = None
+    staged_bytes: int = 0
 
     @property
     def workspace_shape(self) -> tuple:
@@ -212,6 +251,9 @@ class Plan:
             + (" batch_invariant" if self.batch_invariant else ""),
             f"  why: {self.reason}",
         ]
+        if self.staged_format is not None:
+            lines.insert(3, f"  staging: the {self.kv_format} cache is dequantized into a {self.staged_format} copy "
+                            f"({self.staged_bytes} bytes) that the kernel reads")
         return "\n".join(lines)
 
 
@@ -261,27 +303,44 @@ def split_layout(candidates: int, num_splits: int):
     return split_size, _ceil_div(candidates, split_size)
 
 
+def staging_format(kv_format: Union[str, KVFormat]) -> Optional[KVFormat]:
+    """The ``bf16_*`` format a cache of ``kv_format`` can be staged into without changing a value: the
+    formats whose CUDA kernels convert rows to BF16 exactly (``row_conversion`` ``"converted"``: power-of-two,
+    UE8M0 and E4M3-scaled FP4 rows) and whose K and V widths a BF16 format has; ``None`` for the others
+    (arbitrary FP32 scales, ``dots3_swa``'s width, the ``bf16_*`` formats themselves)."""
+    fmt = get_format(kv_format)
+    if not fmt.quantized or kernel_tables.row_conversion(fmt.key) != "converted":
+        return None
+    return next((f for f in FORMATS.values() if not f.quantized and (f.d_qk, f.d_v) == (fmt.d_qk, fmt.d_v)), None)
+
+
 def _cuda_options(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: DeviceInfo, model: CostModel,
-                  impl):
-    """Every (predicted µs, variant, head tile, splits, split size) the planner may choose from; the costs
-    and the splits count the candidate positions the kernels read (:func:`kernel_tables.decode_positions`)."""
-    positions = kernel_tables.decode_positions(fmt.key, topk, extra_topk)
+                  impl, staged: Optional[KVFormat] = None, stage_us: float = 0.0):
+    """Every (predicted µs, variant, head tile, splits, split size, staged format key) the planner may choose
+    from; the costs and the splits count the candidate positions the kernels read
+    (:func:`kernel_tables.decode_positions`). With ``staged``, the same choices of that format's kernels
+    after a staging pass of ``stage_us`` are added."""
     options = []
-    for heads_per_block in kernel_tables.HEAD_TILES[fmt.key]:
-        if impl in ("auto", "prefill"):
-            us = option_us(model, fmt, num_tokens, num_heads, positions, "prefill", heads_per_block, 1, device)
-            options.append((us, "prefill", heads_per_block, 1, topk + extra_topk))
-        if impl in ("auto", "decode"):
-            for splits in SPLIT_CHOICES:
-                split_size, splits = split_layout(positions, splits)
-                us = option_us(model, fmt, num_tokens, num_heads, positions, "decode", heads_per_block, splits,
+    for kernel_fmt, extra_us in ((fmt, 0.0),) + (((staged, stage_us),) if staged is not None else ()):
+        key = None if kernel_fmt is fmt else kernel_fmt.key
+        positions = kernel_tables.decode_positions(kernel_fmt.key, topk, extra_topk)
+        for heads_per_block in kernel_tables.HEAD_TILES[kernel_fmt.key]:
+            if impl in ("auto", "prefill"):
+                us = option_us(model, kernel_fmt, num_tokens, num_heads, positions, "prefill", heads_per_block, 1,
                                device)
-                options.append((us, "decode", heads_per_block, splits, split_size))
+                options.append((us + extra_us, "prefill", heads_per_block, 1, topk + extra_topk, key))
+            if impl in ("auto", "decode"):
+                for splits in SPLIT_CHOICES:
+                    split_size, splits = split_layout(positions, splits)
+                    us = option_us(model, kernel_fmt, num_tokens, num_heads, positions, "decode", heads_per_block,
+                                   splits, device)
+                    options.append((us + extra_us, "decode", heads_per_block, splits, split_size, key))
     return options
 
 
 def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: DeviceInfo, batch_invariant,
-               impl, model: CostModel, calibrated: bool) -> Plan:
+               impl, model: CostModel, calibrated: bool, num_slots: Optional[int] = None,
+               staging: str = "auto") -> Plan:
     common = dict(platform="cuda", kv_format=fmt.key, num_tokens=num_tokens,
                   num_heads=num_heads, topk=topk, extra_topk=extra_topk, batch_invariant=batch_invariant,
                   device_name=device.name)
@@ -298,23 +357,37 @@ def _plan_cuda(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device: D
                     workspace_bytes=kernel_tables.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v),
                     reason=f"batch_invariant: fixed {split_size}-candidate splits and head tile {heads_per_block}, "
                            f"independent of T", **common)
-    options = _cuda_options(fmt, num_tokens, num_heads, topk, extra_topk, device, model, impl)
+    # Staging (module docstring): only where it leaves every value as it is and the result independent
+    # of T (a batch-invariant plan must not depend on T, and whether staging pays does).
+    staged = staging_format(fmt) if num_slots and not extra_topk and staging != "off" else None
+    if staged is not None and num_slots * staged.bytes_per_token > STAGE_MAX_BYTES:
+        staged = None
+    stage_us = model.stage_us(num_slots, fmt, staged) if staged is not None else 0.0
+    options = _cuda_options(fmt, num_tokens, num_heads, topk, extra_topk, device, model, impl, staged, stage_us)
+    if staged is not None and staging == "on":
+        options = [o for o in options if o[5] is not None]
     # Ties (the MMA term is hidden on some GPUs) go to fewer splits, then to the smaller head tile (no
-    # wasted rows).
-    us, variant, heads_per_block, num_splits, split_size = min(options, key=lambda o: (o[0], o[3], o[2]))
-    runner_up = sorted(o for o in options if o[1:3] != (variant, heads_per_block) or o[3] != num_splits)
+    # wasted rows), then to no staging.
+    best = min(options, key=lambda o: (o[0], o[3], o[2], o[5] is not None))
+    us, variant, heads_per_block, num_splits, split_size, staged_key = best
+    runner_up = sorted((o for o in options if o is not best), key=lambda o: o[0])
     alternative = ""
     if runner_up:
         r = runner_up[0]
-        alternative = f"; next best {r[1]} x{r[3]} splits, head tile {r[2]}: {r[0]:.1f} us"
+        alternative = (f"; next best {r[1]} x{r[3]} splits, head tile {r[2]}"
+                       + (f" on a {r[5]} copy" if r[5] else "") + f": {r[0]:.1f} us")
     forced = f"impl={impl!r} requested; " if impl != "auto" else ""
+    copy = f" after staging the cache as {staged_key} ({stage_us:.1f} us of it)" if staged_key else ""
     reason = (f"{forced}cost model ({source} constants, {device.sm_count} SMs) predicts {us:.1f} us for "
               f"{variant}" + (f" with {num_splits} splits" if variant == "decode" else "") +
-              f" and head tile {heads_per_block}{alternative}")
+              f" and head tile {heads_per_block}{copy}{alternative}")
+    kernel_fmt = get_format(staged_key) if staged_key else fmt
     workspace = kernel_tables.workspace_bytes(num_splits, num_tokens, num_heads, fmt.d_v) if variant == "decode" else 0
     return Plan(variant=variant, heads_per_block=heads_per_block, num_splits=num_splits if variant == "decode" else 1,
                 split_size=split_size, workspace_bytes=workspace, reason=reason, predicted_us=us,
-                family=_family(fmt, heads_per_block, split_size if variant == "decode" else None, device), **common)
+                family=_family(kernel_fmt, heads_per_block, split_size if variant == "decode" else None, device),
+                staged_format=staged_key, staged_bytes=num_slots * kernel_fmt.bytes_per_token if staged_key else 0,
+                **common)
 
 
 def _family(fmt: KVFormat, heads_per_block: int, split_size, device: DeviceInfo) -> str:
@@ -324,7 +397,8 @@ def _family(fmt: KVFormat, heads_per_block: int, split_size, device: DeviceInfo)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_cached(q_shape, fmt_key, topk, extra_topk, platform, device, batch_invariant, impl, constants) -> Plan:
+def _plan_cached(q_shape, fmt_key, topk, extra_topk, platform, device, batch_invariant, impl, constants,
+                 num_slots=None, staging="auto") -> Plan:
     fmt = get_format(fmt_key)
     num_heads = q_shape[-2]
     num_tokens = 1
@@ -338,7 +412,7 @@ def _plan_cached(q_shape, fmt_key, topk, extra_topk, platform, device, batch_inv
                     reason="the CPU runs the C++ reference kernel (one pass, no workspace; batch invariant)")
     model = CostModel.from_dict(dict(constants) if constants is not None else None)
     return _plan_cuda(fmt, num_tokens, num_heads, topk, extra_topk, device, batch_invariant, impl, model,
-                      constants is not None)
+                      constants is not None, num_slots, staging)
 
 
 def _check_plan_arguments(fmt: KVFormat, q_shape, topk, extra_topk, platform, impl, batch_invariant) -> None:
@@ -367,7 +441,7 @@ def _check_plan_arguments(fmt: KVFormat, q_shape, topk, extra_topk, platform, im
 
 def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int = 0, platform: str,
          device: Optional[DeviceInfo] = None, batch_invariant: bool = False, impl: str = "auto",
-         cost_model: Optional[CostModel] = None) -> Plan:
+         cost_model: Optional[CostModel] = None, num_slots: Optional[int] = None) -> Plan:
     """Plans one ``sparse_mla`` call.
 
     Args:
@@ -382,6 +456,9 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
       impl: ``"auto"``, ``"decode"`` or ``"prefill"`` (``"xla"`` never reaches the planner).
       cost_model: constants to plan with; ``None`` uses the device's calibration (if any) over the
         model defaults.
+      num_slots: the main cache's slot count (``sparse_mla`` passes it). With it a CUDA plan may stage
+        the cache as a BF16 copy (``Plan.staged_format``; module docstring, where ``JSMLA_CUDA_STAGING``
+        is too); ``None`` plans without staging.
 
     Returns:
       A memoised :class:`Plan`.
@@ -389,7 +466,8 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
     Raises:
       ValueError: an unknown format or platform, a ``q_shape`` the format does not have, a head count,
         ``topk`` or ``extra_topk`` outside the envelope, or an ``impl`` (with ``batch_invariant``) the
-        platform cannot run (the rules of :func:`~jax_sparse_mla.check_supported`).
+        platform cannot run (the rules of :func:`~jax_sparse_mla.check_supported`); a ``num_slots`` that
+        is not a positive int; ``JSMLA_CUDA_STAGING`` set to another value than ``auto``, ``on``, ``off``.
     """
     fmt = get_format(kv_format)
     _check_plan_arguments(fmt, q_shape, topk, extra_topk, platform, impl, batch_invariant)
@@ -402,8 +480,12 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
         constants = None if calibrated is None else tuple(sorted(calibrated.items()))
     else:
         constants = None
+    if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer))
+                                  or num_slots < 1):
+        raise ValueError(f"num_slots: expected a positive int or None, got {num_slots!r}")
     return _plan_cached(tuple(int(d) for d in q_shape), fmt.key, int(topk), int(extra_topk), platform, device,
-                        bool(batch_invariant), impl, constants)
+                        bool(batch_invariant), impl, constants, None if num_slots is None else int(num_slots),
+                        staging_mode() if platform == "cuda" else "auto")
 
 
 def clear_cache() -> None:

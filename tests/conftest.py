@@ -41,3 +41,11 @@ def rng(request):
 def impl(request):
     """The default lowering (the C++ CPU FFI kernel here) and the pure-JAX reference lowering."""
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _no_staging_unless_asked(monkeypatch):
+    """CUDA plans never stage a cache here unless a test sets ``JSMLA_CUDA_STAGING`` itself (test_staging.py
+    and the staging tests of tests/gpu): every other test runs the kernels of the format it names, as
+    small caches would otherwise make the cost model stage some of them."""
+    monkeypatch.setenv("JSMLA_CUDA_STAGING", "off")

@@ -1,7 +1,9 @@
 """GPU soak: many launches of the CUDA kernels over random formats, shapes and data, under a watchdog.
 
 Each configuration draws a format the CUDA kernels serve, T, H, topk, page size, for a dual-cache
-format an extra cache (in any format allowed beside it) or none, a sink or none and a plan variant, and compiles one jitted step. Every launch of that step
+format an extra cache (in any format allowed beside it) or none, a sink or none, a plan variant and
+whether a stageable cache is staged as a BF16 copy (``JSMLA_CUDA_STAGING`` ``on``, or the planner's own
+choice), and compiles one jitted step. Every launch of that step
 draws fresh data on the GPU (indices with every kind of invalid slot, row lengths, extra lengths,
 valid_tokens in [0, T], sink values), so the plan's code paths see varied masks without a recompile
 (the caches are not poisoned here, since fresh indices reach every slot: the test tiers check that
@@ -34,7 +36,7 @@ import cases  # noqa: E402
 import oracle  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
-from jax_sparse_mla import validate  # noqa: E402
+from jax_sparse_mla import planner, validate  # noqa: E402
 
 TOKENS = (1, 2, 3, 5, 8, 16, 33, 64, 128)
 HEADS = (1, 7, 16, 20, 32, 64, 100, 128)
@@ -85,7 +87,8 @@ def draw_config(rng, formats, impls=IMPLS):
     return dict(key=key, tokens=tokens, heads=heads, topk=topk, page_size=page,
                 cache_tokens=int(rng.integers(max(2 * page, 40), max(4 * page, 600))),
                 extra_topk=int(rng.choice((1, 5, 64, 130))) if dual else 0, extra_key=extra_key,
-                sink=bool(rng.random() < 0.5), impl=str(rng.choice(impls)))
+                sink=bool(rng.random() < 0.5), impl=str(rng.choice(impls)),
+                staging=str(rng.choice(("auto", "on"))))
 
 
 def build_step(config, case):
@@ -173,13 +176,17 @@ def main(argv=None):
         case = cases.make_case(rng, config["key"], num_tokens=config["tokens"], num_heads=config["heads"],
                                topk=config["topk"], page_size=config["page_size"],
                                cache_tokens=config["cache_tokens"], extra=extra, poison=False)
+        # Read when the step is traced (its first launch below) and by the plan.
+        os.environ[planner.STAGING_ENV] = config["staging"]
         step, attend = build_step(config, case)
         q, cache = jnp.asarray(case.q), jnp.asarray(case.main.array)
         extra_cache = jnp.asarray(case.extra.array) if case.extra is not None else None
-        plan = jsm.plan(case.q.shape, jsm.get_format(config["key"]), config["topk"] + config["extra_topk"],
-                        platform="cuda", impl=config["impl"])
+        plan = jsm.plan(case.q.shape, jsm.get_format(config["key"]), config["topk"],
+                        extra_topk=config["extra_topk"], platform="cuda", impl=config["impl"],
+                        num_slots=case.main.num_slots)
         variants[plan.variant] = variants.get(plan.variant, 0) + 1
-        kernel = f"{plan.family} h{plan.heads_per_block}"  # the kernel tile the plan runs on
+        # The kernel tile the plan runs on, and the BF16 copy it reads when staged.
+        kernel = f"{plan.family} h{plan.heads_per_block}" + (f" {plan.staged_format}" if plan.staged_format else "")
         kernels[kernel] = kernels.get(kernel, 0) + 1
         base_key = jax.random.PRNGKey(args.seed * 100003 + c)
         for i in range(per_config):
@@ -199,7 +206,7 @@ def main(argv=None):
         print(f"config {c:3d} {config['key']:10s} T={config['tokens']:3d} H={config['heads']:3d} "
               f"topk={config['topk']:4d} page={config['page_size']:2d} extra={config['extra_topk']:3d} "
               f"{config['extra_key'] if config['extra_topk'] else '':10s} "
-              f"sink={int(config['sink'])} {plan.variant:7s} {kernel:12s} launches={launches}", flush=True)
+              f"sink={int(config['sink'])} {plan.variant:7s} {kernel:21s} launches={launches}", flush=True)
         if launches >= args.launches:
             break
     summary = dict(launches=launches, checks=checks, failures=len(failures), configs=c + 1, variants=variants,

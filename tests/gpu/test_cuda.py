@@ -232,6 +232,41 @@ def test_batch_invariant_token_output_does_not_depend_on_batch(rng, key, num_hea
         np.testing.assert_array_equal(np.asarray(part[1]), np.asarray(full[1][:rows]))
 
 
+#: The formats a plan can stage as a BF16 copy (planner.staging_format).
+STAGEABLE_FORMATS = [key for key in FORMATS if planner.staging_format(key) is not None]
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("num_heads,form", [(16, "3d"), (128, "2d")])  # 128: the Hopper BF16 kernels on sm_90
+@pytest.mark.parametrize("key", STAGEABLE_FORMATS)
+def test_staged_plans_match_oracle_sanitize(rng, monkeypatch, key, num_heads, form, impl):
+    """Every stageable format with staging forced: the cache (NaN in every unused slot and page gap, so the
+    copy holds NaN rows the kernel must never read) dequantized into its BF16 copy, then the BF16 kernel;
+    the float64 oracle's contract, lengths, junk indices, a sink and a padding row; bitwise repeatable."""
+    monkeypatch.setenv(planner.STAGING_ENV, "on")
+    case = cases.make_case(rng, key, num_tokens=5, num_heads=num_heads, topk=200, page_size=16, form=form,
+                           attn_sink=rng.standard_normal(num_heads).astype(np.float32), valid_tokens=np.int32(4))
+    plan = jsm.plan(case.q.shape, key, 200, platform="cuda", impl=impl, num_slots=case.main.num_slots)
+    assert plan.staged_format == planner.staging_format(key).key, plan.describe()
+    out, lse, _, _ = case.check(impl)
+    again = case.run(impl)
+    np.testing.assert_array_equal(out.view(np.uint16), again[0].view(np.uint16))
+    np.testing.assert_array_equal(lse, again[1])
+
+
+@gpu
+def test_auto_stages_a_prefill_over_a_pool_of_its_size(rng, monkeypatch):
+    """The cost model's own choice: 64 tokens of 2048 candidates over a 4096-slot pool (each row read
+    about 32 times) are staged by default, and match the oracle."""
+    monkeypatch.setenv(planner.STAGING_ENV, "auto")
+    case = cases.make_case(rng, "dsv3_2", num_tokens=64, num_heads=128, topk=2048, cache_tokens=4096,
+                           topk_length=None, invalid_fraction=0.02, poison=False)
+    plan = jsm.plan(case.q.shape, "dsv3_2", 2048, platform="cuda", num_slots=case.main.num_slots)
+    assert plan.staged_format == "bf16_576", plan.describe()
+    case.check("auto")
+
+
 @gpu
 def test_cuda_build_carries_the_hopper_family_the_planner_assumes():
     # Plans name the family from the CPU extension's tables; the CUDA build must carry the sm_90a code
