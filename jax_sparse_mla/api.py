@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _ffi, backward, planner, validate
-from .formats import KVFormat, all_rows, cache_layout, decode_rows, get_format, quantize_query_fp8
+from .formats import KVFormat, bf16_rows, cache_layout, get_format, quantize_query_fp8
 from .reference import sparse_mla_reference
 
 __all__ = ["sparse_mla", "merge_attention_states"]
@@ -270,7 +270,7 @@ def _staged(problem, arrays, staged_fmt):
     the copy to this call's indices, so XLA never shares one copy between calls (each call pays for the
     copy it reads, and no copy outlives its call)."""
     cache, indices = jax.lax.optimization_barrier((arrays["kv_cache"], arrays["indices"]))
-    rows = decode_rows(*all_rows(cache, problem.layout, problem.fmt), problem.fmt).astype(jnp.bfloat16)
+    rows = bf16_rows(cache, problem.layout, problem.fmt)
     staged = dataclasses.replace(problem, fmt=staged_fmt, layout=cache_layout(rows, staged_fmt))
     return staged, dict(arrays, kv_cache=rows, indices=indices)
 

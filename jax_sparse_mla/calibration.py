@@ -4,8 +4,9 @@
 shape — token counts :data:`CALIBRATION_TOKENS` × the requested head counts and candidate counts, every
 choice the planner has (prefill and a range of decode split counts, per instantiated head tile) — fits
 all constants of :class:`jax_sparse_mla.planner.CostModel` at once by least squares on the logarithm
-of the time (relative error), with a small Nelder–Mead search started from the defaults, and stores
-them in the calibration file (:mod:`jax_sparse_mla.calibration_store`). Calibration never runs
+of the time (relative error), with a small Nelder–Mead search started from the defaults, measures
+the staged plans' copy pass (:func:`time_staging`, ``CostModel.stage_gbps``), and stores them in the
+calibration file (:mod:`jax_sparse_mla.calibration_store`). Calibration never runs
 implicitly, and refuses to run inside a ``jax.jit`` trace.
 """
 
@@ -20,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi, calibration_store, kernel_tables, planner, validate
-from .formats import get_format
+from .formats import bf16_rows, cache_layout, get_format
 from .timing import RandomCache, median_step_seconds
 
 __all__ = ["calibrate", "CALIBRATION_TOKENS", "CALIBRATION_FORMATS", "calibration_choices", "forced_plan",
-           "time_plan", "time_choice", "fit_cost_model", "measure_cost_model"]
+           "time_plan", "time_choice", "time_staging", "fit_cost_model", "measure_cost_model"]
 
 _STEPS = 8
 #: Steps per timed call for T <= 16, where a step is short enough that the host's per-call dispatch
@@ -72,6 +73,20 @@ def time_choice(cache: RandomCache, tokens: int, heads: int, topk: int, variant:
     problem = validate.normalize(q, cache.cache, indices[0], kv_format=cache.fmt, sm_scale=cache.fmt.d_qk ** -0.5)
     plan = forced_plan(problem, variant, heads_per_block, num_splits)
     return time_plan(plan, problem, q, cache.cache, indices)
+
+
+def time_staging(cache: RandomCache) -> float:
+    """GB/s of a staged plan's copy pass over ``cache`` (a stageable format's): the cache read and its
+    BF16 copy written (:meth:`jax_sparse_mla.planner.CostModel.stage_us`'s bytes) over the median time of
+    the pass alone, its copy a result of the call (so it is written, as the kernel then reads it)."""
+    staged = planner.staging_format(cache.fmt)
+    if staged is None:
+        raise ValueError(f"kv_format: {cache.fmt.key!r} has no staged plans (planner.staging_format)")
+    layout = cache_layout(cache.cache, cache.fmt)
+    run = jax.jit(lambda c: bf16_rows(c, layout, cache.fmt))
+    median, _, _ = median_step_seconds(run, (cache.cache,), 1, _REPEATS)
+    moved = cache.num_slots * (cache.fmt.bytes_per_token + staged.bytes_per_token)
+    return moved / median / 1e9
 
 
 #: Token counts of the calibration shapes (the planner sweep checks the fit on other shapes).
@@ -212,7 +227,12 @@ def measure_cost_model(device, *, formats, heads, topks, progress: Optional[Call
             if progress is not None:
                 progress(done, total, f"{kv_format} T={tokens} H={h} topk={topk} {variant} tile {tile}"
                                       + (f" x{splits}" if variant == "decode" else ""))
-    return fit_cost_model(samples, device).to_dict()
+    constants = fit_cost_model(samples, device).to_dict()
+    # The copy pass of staged plans, on the first format that has them (it keeps its default without one).
+    stageable = [f for f in formats if planner.staging_format(f) is not None]
+    if stageable:
+        constants["stage_gbps"] = time_staging(caches.get(stageable[0]) or RandomCache(stageable[0]))
+    return constants
 
 
 def _inside_trace() -> bool:

@@ -35,6 +35,7 @@ __all__ = [
     "decode_rows",
     "gather_rows",
     "all_rows",
+    "bf16_rows",
 ]
 
 
@@ -643,6 +644,13 @@ def all_rows(cache, layout: CacheLayout, kv_format: Union[str, KVFormat]):
         tail = pages[:, rows: rows + page_size * fmt.scale_row_bytes]
         scales = tail.reshape(num_pages * page_size, fmt.scale_row_bytes)
     return data.reshape(num_pages * page_size, fmt.data_row_bytes), scales
+
+
+def bf16_rows(cache, layout: CacheLayout, kv_format: Union[str, KVFormat]):
+    """Every slot of a cache dequantized and rounded to bfloat16 ``[num_slots, d_qk]``, in slot order: the
+    copy a staged CUDA plan reads (docs/planning.md). Exact for the formats whose values BF16 holds
+    (``planner.staging_format``)."""
+    return decode_rows(*all_rows(cache, layout, kv_format), kv_format).astype(jnp.bfloat16)
 
 
 def dequantize_kv(cache, kv_format: Union[str, KVFormat], page_size: Optional[int] = None):

@@ -107,7 +107,7 @@ class CostModel:
     combine_gbps: float = 1520.0  # the combine's narrow and wide shapes (a block per row or row slice)
     warp_combine_gbps: float = 2110.0  # its warp shape (a row per warp; at most 8 splits, many rows)
     tail: float = 0.21  # the last wave's imbalance, in block times
-    stage_gbps: float = 2000.0  # staging: the cache read and its BF16 copy written, GB/s (not calibrated)
+    stage_gbps: float = 2000.0  # staging: the cache read and its BF16 copy written, GB/s (calibration times it)
 
     def block_time_us(self, candidates_per_block: int, head_tile: int, family: str = "hopper",
                       conversion: str = "converted") -> float:

@@ -155,3 +155,15 @@ def test_export_for_cuda_bakes_the_staging_into_the_program(staging):
     text = export(prefill(), *args, platforms=("cuda",)).mlir_module()
     assert {int(v) for v in re.findall(r"kv_format = (\d+) : i32", text)} == {fmt.id}
     assert "optimization_barrier" not in text
+
+
+def test_calibration_times_the_copy_pass():
+    """calibrate() stores the copy pass's bandwidth (CostModel.stage_gbps) from time_staging, which times
+    the pass alone; here on the CPU, where only its plumbing is checked (a positive, finite rate)."""
+    from jax_sparse_mla import calibration
+    from jax_sparse_mla.timing import RandomCache
+
+    rate = calibration.time_staging(RandomCache("dsv4_nvfp4", pool_bytes=1 << 20))
+    assert np.isfinite(rate) and rate > 0
+    with pytest.raises(ValueError, match="'glm_nsa' has no staged plans"):
+        calibration.time_staging(RandomCache("glm_nsa", pool_bytes=1 << 20))
