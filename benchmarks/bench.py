@@ -38,7 +38,8 @@ flags.DEFINE_bool("prefill", True, "Run the prefill cases.")
 flags.DEFINE_enum("flashmla", "auto", ["auto", "on", "off"],
                   "Time DeepSeek's FlashMLA beside us on the same dsv3_2 cache bytes and indices (decode; prefill on "
                   "the dequantized BF16 cache): auto when the flash_mla package imports, on = fail without it.")
-flags.DEFINE_list("prefill_formats", ["dsv3_2", "bf16_576"], "Cache formats of the prefill cases.")
+flags.DEFINE_list("prefill_formats", ["dsv3_2", "dsv4", "bf16_576"],
+                  "Cache formats of the prefill cases (bf16_576: the dsv3_2 cache dequantized).")
 flags.DEFINE_bool("staging_ab", True, "Where the planner stages a case's cache as a BF16 copy, also time the case "
                   "with staging off (JSMLA_CUDA_STAGING=off) in the same run.")
 flags.DEFINE_integer("baseline_chunk_tokens", 1024,
@@ -432,6 +433,8 @@ def main(argv):
     rows = []
     caches = {}
     needed = {c.split(":")[0] for c in FLAGS.cases} if FLAGS.cases else set(FLAGS.formats)
+    if FLAGS.prefill:
+        needed |= {f for f in FLAGS.prefill_formats if f != "bf16_576"}
     for kv_format in sorted(needed | {"dsv3_2"}):
         fmt = jsm.get_format(kv_format)
         pages = -(-FLAGS.pool_bytes // (page_size * fmt.bytes_per_token))
