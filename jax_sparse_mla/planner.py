@@ -321,7 +321,8 @@ def _cuda_options(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device
     (:func:`kernel_tables.decode_positions`). With ``staged``, the same choices of that format's kernels
     after a staging pass of ``stage_us`` are added."""
     options = []
-    for kernel_fmt, extra_us in ((fmt, 0.0),) + (((staged, stage_us),) if staged is not None else ()):
+    kernels = [(fmt, 0.0)] + ([(staged, stage_us)] if staged is not None else [])
+    for kernel_fmt, extra_us in kernels:
         key = None if kernel_fmt is fmt else kernel_fmt.key
         positions = kernel_tables.decode_positions(kernel_fmt.key, topk, extra_topk)
         for heads_per_block in kernel_tables.HEAD_TILES[kernel_fmt.key]:
