@@ -90,6 +90,20 @@ def test_hopper_16_head_tile_matches_oracle_sanitize(rng, key, impl):
 
 
 @gpu
+@pytest.mark.parametrize("topk", [64, 130, 200, 300])
+@pytest.mark.parametrize("key", ["bf16_576", "bf16_512"])
+def test_bf16_tile_counts(rng, key, topk):
+    """BF16 rows on 64-head tiles without splits (the Hopper family's 64-candidate tiles on sm_90): one
+    to five tiles a block, odd and even counts, a last tile partly masked, ragged lengths (some rows
+    empty), a sink and padding tokens."""
+    assert jsm.plan((9, 128, jsm.get_format(key).d_qk), key, topk, platform="cuda",
+                    impl="prefill").heads_per_block == 64
+    case = cases.make_case(rng, key, num_tokens=9, num_heads=128, topk=topk, valid_tokens=np.int32(7),
+                           attn_sink=rng.standard_normal(128).astype(np.float32))
+    case.check("prefill")
+
+
+@gpu
 @pytest.mark.parametrize("impl", VARIANTS)
 @pytest.mark.parametrize("key,num_heads", [("dsv3_2", 128), ("bf16_576", 128), ("dsv4_nvfp4", 64), ("glm_nsa", 128),
                                            ("glm53_nope", 64), ("dsv3_2", 16)])
