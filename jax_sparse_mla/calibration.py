@@ -5,7 +5,9 @@ shape — token counts :data:`CALIBRATION_TOKENS` × the requested head counts a
 choice the planner has (prefill and a range of decode split counts, per instantiated head tile) — fits
 all constants of :class:`jax_sparse_mla.planner.CostModel` at once by least squares on the logarithm
 of the time (relative error), with a small Nelder–Mead search started from the defaults, measures
-the staged plans' copy pass (:func:`time_staging`, ``CostModel.stage_gbps``), and stores them in the
+the staged plans' copy pass of every stageable format (:func:`time_staging`, ``CostModel.stage_gbps``
+and ``stage_gbps_by_format``) and the row factors of the formats that are not a row conversion's
+reference (:func:`measure_row_factors`, ``CostModel.row_factors``), and stores them in the
 calibration file (:mod:`jax_sparse_mla.calibration_store`). Calibration never runs
 implicitly, and refuses to run inside a ``jax.jit`` trace.
 """
@@ -25,7 +27,9 @@ from .formats import bf16_rows, cache_layout, get_format
 from .timing import RandomCache, median_step_seconds
 
 __all__ = ["calibrate", "CALIBRATION_TOKENS", "CALIBRATION_FORMATS", "calibration_choices", "forced_plan",
-           "time_plan", "time_choice", "time_staging", "fit_cost_model", "measure_cost_model"]
+           "time_plan", "time_choice", "time_staging", "fit_cost_model", "measure_cost_model",
+           "ROW_FACTOR_REFERENCES", "ROW_FACTOR_SHAPES", "row_factor_for", "measure_row_factors",
+           "measure_stage_rates"]
 
 _STEPS = 8
 #: Steps per timed call for T <= 16, where a step is short enough that the host's per-call dispatch
@@ -227,12 +231,82 @@ def measure_cost_model(device, *, formats, heads, topks, progress: Optional[Call
             if progress is not None:
                 progress(done, total, f"{kv_format} T={tokens} H={h} topk={topk} {variant} tile {tile}"
                                       + (f" x{splits}" if variant == "decode" else ""))
-    constants = fit_cost_model(samples, device).to_dict()
-    # The copy pass of staged plans, on the first format that has them (it keeps its default without one).
+    fitted = fit_cost_model(samples, device)
+    constants = fitted.to_dict()
+    # The other formats' row costs against the formats the constants were fitted on.
+    constants["row_factors"] = measure_row_factors(device, fitted, formats)
+    # The copy pass of staged plans, per stageable format (the first one's rate also for the others).
     stageable = [f for f in formats if planner.staging_format(f) is not None]
     if stageable:
-        constants["stage_gbps"] = time_staging(caches.get(stageable[0]) or RandomCache(stageable[0]))
+        rates = measure_stage_rates(fitted, stageable, caches)
+        constants["stage_gbps"] = rates[0][1]
+        constants["stage_gbps_by_format"] = rates
     return constants
+
+
+def measure_stage_rates(model: planner.CostModel, formats, caches: Optional[dict] = None) -> tuple:
+    """``model.stage_gbps_by_format`` with the copy pass of every stageable format of ``formats`` timed
+    (:func:`time_staging`; the others kept), the measured ones first in the order of ``formats``."""
+    caches = {} if caches is None else caches
+    measured = tuple((f, time_staging(caches.setdefault(f, RandomCache(f)))) for f in formats
+                     if planner.staging_format(f) is not None)
+    keys = {f for f, _ in measured}
+    return measured + tuple(r for r in model.stage_gbps_by_format if r[0] not in keys)
+
+
+#: The format each row conversion's constant of the Hopper family is fitted on (row factor 1 by
+#: definition); :func:`measure_row_factors` times the other formats against it.
+ROW_FACTOR_REFERENCES = {"converted": "dsv3_2", "exact_scales": "glm_nsa", "direct": "bf16_576"}
+#: The prefill shape (tokens, heads) at which a head tile's row factor is measured: many blocks a SM,
+#: so the rows' cost dominates the launch and the tail.
+ROW_FACTOR_SHAPES = {16: (256, 16), 64: (1024, 128)}
+
+
+def row_factor_for(model: planner.CostModel, device, kv_format: str, head_tile: int, measured_us: float,
+                   reference_us: float) -> float:
+    """The :meth:`~jax_sparse_mla.planner.CostModel.row_factor` of ``kv_format`` at ``head_tile`` that makes
+    the model's prefill time of :data:`ROW_FACTOR_SHAPES` stand to its reference format's (factor 1) as
+    the measured times do (``measured_us`` / ``reference_us``), found by bisection in [0.25, 4]."""
+    fmt = get_format(kv_format)
+    reference = get_format(ROW_FACTOR_REFERENCES[kernel_tables.row_conversion(kv_format)])
+    tokens, heads = ROW_FACTOR_SHAPES[head_tile]
+    others = tuple(r for r in model.row_factors if r[:2] != (kv_format, head_tile))
+
+    def predicted(fmt_, factor):
+        m = dataclasses.replace(model, row_factors=others + ((kv_format, head_tile, factor),))
+        return planner.option_us(m, fmt_, tokens, heads, kernel_tables.decode_positions(fmt_.key, 2048),
+                                 "prefill", head_tile, 1, device)
+
+    target = measured_us / reference_us * predicted(reference, 1.0)
+    low, high = 0.25, 4.0
+    for _ in range(40):
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if predicted(fmt, mid) < target else (low, mid)
+    return round((low * high) ** 0.5, 3)
+
+
+def measure_row_factors(device, model: planner.CostModel, formats, progress: Optional[Callable] = None) -> tuple:
+    """Times the prefill of every format of ``formats`` that is not a reference
+    (:data:`ROW_FACTOR_REFERENCES`) on each of its Hopper-family head tiles beside its reference format,
+    and returns ``model.row_factors`` with those (format, tile) entries measured (the others kept)."""
+    factors = {(key, tile): f for key, tile, f in model.row_factors}
+    caches = {}
+    for kv_format in formats:
+        if kv_format in ROW_FACTOR_REFERENCES.values():
+            continue
+        fmt = get_format(kv_format)
+        reference = ROW_FACTOR_REFERENCES[kernel_tables.row_conversion(kv_format)]
+        for tile in kernel_tables.HEAD_TILES[kv_format]:
+            if tile not in ROW_FACTOR_SHAPES or planner._family(fmt, tile, None, device) != "hopper":
+                continue
+            tokens, heads = ROW_FACTOR_SHAPES[tile]
+            times = {key: time_choice(caches.setdefault(key, RandomCache(key)), tokens, heads, 2048, "prefill", tile)
+                     for key in (reference, kv_format)}
+            factors[(kv_format, tile)] = row_factor_for(model, device, kv_format, tile, times[kv_format],
+                                                        times[reference])
+            if progress is not None:
+                progress(kv_format, tile, times[kv_format], times[reference], factors[(kv_format, tile)])
+    return tuple((key, tile, f) for (key, tile), f in sorted(factors.items()))
 
 
 def _inside_trace() -> bool:
@@ -259,7 +333,8 @@ def calibrate(*, formats: Iterable[str] = CALIBRATION_FORMATS, heads: Iterable[i
         counts, token counts and head tiles; a few seconds each). The default formats,
         :data:`CALIBRATION_FORMATS`, exercise both kernel families and every row conversion; formats
         without a plan of a family (or of a row conversion) keep that family's (or conversion's)
-        constants at the defaults.
+        constants at the defaults. Every other format given also gets its row factors measured
+        (:func:`measure_row_factors`), and every stageable one its copy pass's rate.
       force: re-measure even when the device already has constants.
       progress: called as ``progress(done, total, label)`` after each measurement (the CLI draws a bar).
       path: the calibration file (default :func:`jax_sparse_mla.calibration_store.calibration_path`).

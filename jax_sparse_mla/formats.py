@@ -354,9 +354,8 @@ def _as_pages(cache, layout: CacheLayout):
 _FP8_MAX = 448.0
 _FP4_MAX = 6.0  # the largest E2M1 magnitude
 _FP4_SCALE_MIN = 2.0 ** -9  # the smallest E4M3 scale of an FP4 group (E4M3's smallest subnormal)
-# E2M1 magnitudes by code, and the rounding thresholds between neighbouring codes: a magnitude exactly on a
-# threshold goes to the even code (> for a threshold above an even code, >= above an odd one).
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# The rounding thresholds between neighbouring E2M1 codes (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6): a magnitude
+# exactly on a threshold goes to the even code (> for a threshold above an even code, >= above an odd one).
 _E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
@@ -391,9 +390,14 @@ def _e2m1_codes(x):
 
 
 def _e2m1_values(codes):
-    """float32 values of E2M1 codes (uint8, the low 4 bits)."""
-    magnitude = jnp.asarray(_E2M1_VALUES, jnp.float32)[(codes & 7).astype(jnp.int32)]
-    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+    """float32 values of E2M1 codes (uint8, the low 4 bits), built from their bits (elementwise integer
+    operations, which XLA fuses into the surrounding pass; a lookup in a table of the values would be a
+    gather): exponent field e and mantissa bit m give m / 2 for e = 0 and 2^(e - 1) (1 + m / 2) otherwise,
+    the sign in bit 3."""
+    c = codes.astype(jnp.uint32)
+    exponent, mantissa = (c >> 1) & 3, c & 1
+    bits = jnp.where(exponent == 0, mantissa * jnp.uint32(126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
+    return jax.lax.bitcast_convert_type(bits | ((c & 8) << 28), jnp.float32)
 
 
 def _to_bytes(x, dtype):

@@ -108,10 +108,28 @@ class CostModel:
     warp_combine_gbps: float = 2110.0  # its warp shape (a row per warp; at most 8 splits, many rows)
     tail: float = 0.21  # the last wave's imbalance, in block times
     stage_gbps: float = 2000.0  # staging: the cache read and its BF16 copy written, GB/s (calibration times it)
+    # Per-format constants where they were measured (benchmarks/format_costs.py, one H100 run; calibrate
+    # measures those of the formats it is given). The staging pass's rate of a format, GB/s, where it is
+    # not stage_gbps: (format key, GB/s).
+    stage_gbps_by_format: tuple = (("dsv3_2", 1729.0), ("dsv4", 1774.0), ("dsv4_1", 2107.0), ("dsv4_nvfp4", 1671.0),
+                                   ("dsv4_1_fp4", 1017.0))
+    # A format's Hopper-family row cost over its row conversion's constant, per head tile: (format key, head
+    # tile, factor); 1 for every other (format, tile) and for the formats the conversion constants are
+    # fitted on (calibration.ROW_FACTOR_REFERENCES). The factor makes the model's prefill time stand to
+    # the reference format's as measured (T = 1024 H = 128 for the 64-head tile, T = 256 H = 16 for the
+    # 16-head one): UE8M0 and FP4 rows cost 1.18-1.49x dsv3_2's at 64 heads, 0.91-1.19x at 16.
+    row_factors: tuple = (("bf16_512", 64, 0.961), ("dsv4", 16, 0.912), ("dsv4", 64, 1.18), ("dsv4_1", 16, 0.961),
+                          ("dsv4_1", 64, 1.244), ("dsv4_1_fp4", 16, 1.031), ("dsv4_1_fp4", 64, 1.411),
+                          ("dsv4_nvfp4", 16, 1.194), ("dsv4_nvfp4", 64, 1.492), ("glm53_nope", 64, 0.935))
+
+    def row_factor(self, kv_format: Optional[str], head_tile: int) -> float:
+        """The factor of ``kv_format``'s Hopper-family row cost at ``head_tile`` (1 where not measured)."""
+        return next((f for key, tile, f in self.row_factors if key == kv_format and tile == head_tile), 1.0)
 
     def block_time_us(self, candidates_per_block: int, head_tile: int, family: str = "hopper",
-                      conversion: str = "converted") -> float:
-        """One block of ``family`` ("hopper" or "portable") over rows of ``conversion`` alone on an SM."""
+                      conversion: str = "converted", kv_format: Optional[str] = None) -> float:
+        """One block of ``family`` ("hopper" or "portable") over rows of ``conversion`` (of ``kv_format``,
+        whose :meth:`row_factor` applies on the Hopper family) alone on an SM."""
         if family == "portable":
             block_us, row_ns = self.portable_block_us, self.portable_dequant_ns
         elif family == "hopper":
@@ -119,14 +137,15 @@ class CostModel:
                     "direct": self.direct_row_ns}
             if conversion not in rows:
                 raise ValueError(f"no row conversion {conversion!r} (expected one of {sorted(rows)})")
-            block_us, row_ns = self.block_us, rows[conversion]
+            block_us, row_ns = self.block_us, rows[conversion] * self.row_factor(kv_format, head_tile)
         else:
             raise ValueError(f"no CUDA kernel family {family!r} (expected 'hopper' or 'portable')")
         return block_us + candidates_per_block * (row_ns + head_tile * self.mma_ns_per_head) / 1e3
 
     def kernel_us(self, blocks: int, candidates_per_block: int, head_tile: int, sm_count: int,
-                  resident: int = 1, family: str = "hopper", conversion: str = "converted") -> float:
-        per_block = self.block_time_us(candidates_per_block, head_tile, family, conversion)
+                  resident: int = 1, family: str = "hopper", conversion: str = "converted",
+                  kv_format: Optional[str] = None) -> float:
+        per_block = self.block_time_us(candidates_per_block, head_tile, family, conversion, kv_format)
         sm_count = max(1, sm_count)
         if blocks <= sm_count:
             return self.launch_us + per_block
@@ -143,19 +162,30 @@ class CostModel:
         shape = kernel_tables.combine_shape(num_tokens * num_heads, num_splits, d_v, max(1, sm_count))
         return self.launch_us + moved / ((self.warp_combine_gbps if shape == "warp" else self.combine_gbps) * 1e3)
 
+    def stage_rate(self, kv_format: str) -> float:
+        """GB/s of the copy pass of a ``kv_format`` cache: its entry in ``stage_gbps_by_format``, else
+        ``stage_gbps``."""
+        return next((gbps for key, gbps in self.stage_gbps_by_format if key == kv_format), self.stage_gbps)
+
     def stage_us(self, num_slots: int, fmt: KVFormat, staged: KVFormat) -> float:
         """Dequantizing every slot of a ``fmt`` cache into ``staged`` (BF16) rows: one pass over both."""
         moved = num_slots * (fmt.bytes_per_token + staged.bytes_per_token)
-        return self.launch_us + moved / (self.stage_gbps * 1e3)
+        return self.launch_us + moved / (self.stage_rate(fmt.key) * 1e3)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: Optional[dict]) -> "CostModel":
-        """A model with ``values`` (unknown keys ignored) over the defaults."""
+        """A model with ``values`` (unknown keys ignored; lists, as JSON stores ``row_factors``, taken as
+        tuples) over the defaults."""
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in (values or {}).items() if k in known})
+        return cls(**{k: _frozen(v) for k, v in (values or {}).items() if k in known})
+
+
+def _frozen(value):
+    """``value`` with every list turned into a tuple (hashable: plans are memoised on the constants)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 #: Registers per thread assumed for occupancy (ptxas reports 207-255 on sm_90a; a block's register
@@ -289,11 +319,11 @@ def option_us(model: CostModel, fmt: KVFormat, num_tokens: int, num_heads: int, 
     if variant == "prefill":
         family = _family(fmt, heads_per_block, None, device)
         return model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count,
-                               _resident(fmt.key, heads_per_block, device, family), family, conversion)
+                               _resident(fmt.key, heads_per_block, device, family), family, conversion, fmt.key)
     split_size, num_splits = split_layout(candidates, num_splits)
     family = _family(fmt, heads_per_block, split_size, device)
     return (model.kernel_us(base_blocks * num_splits, split_size, heads_per_block, device.sm_count,
-                            _resident(fmt.key, heads_per_block, device, family), family, conversion)
+                            _resident(fmt.key, heads_per_block, device, family), family, conversion, fmt.key)
             + model.combine_us(num_splits, num_tokens, num_heads, fmt.d_v, device.sm_count))
 
 
@@ -475,10 +505,10 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
     if device is None:
         device = device_info(platform)
     if cost_model is not None:
-        constants = tuple(sorted(cost_model.to_dict().items()))
+        constants = tuple(sorted(_frozen(list(cost_model.to_dict().items()))))
     elif platform == "cuda":
         calibrated = calibration_store.device_constants(device.name)
-        constants = None if calibrated is None else tuple(sorted(calibrated.items()))
+        constants = None if calibrated is None else tuple(sorted(_frozen(list(calibrated.items()))))
     else:
         constants = None
     if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer))
