@@ -119,18 +119,40 @@ def test_measure_stage_rates_times_each_stageable_format(monkeypatch):
 
 
 # The staged / unstaged prefill of each format measured side by side on one H100 (benchmark pool of
-# 192 MiB, H = 128, topk 2048; benchmarks/results/bench_format_costs_h100.md): the built-in constants pick
-# the faster one, except where the two are within 5%.
-MEASURED_STAGING = [("dsv4", 1024, True), ("dsv4_1", 512, True), ("dsv4_1", 1024, True),
-                    ("dsv4_nvfp4", 1024, True), ("dsv4_1_fp4", 1024, False), ("dsv3_2", 1024, False)]
+# 192 MiB, topk 2048; benchmarks/results/bench_format_costs_h100.md): the built-in constants pick the
+# faster one, except where the two are within 5% (dsv4 T = 512, dsv4_nvfp4 T = 512 H = 128).
+MEASURED_STAGING = [("dsv4", 1024, 128, True), ("dsv4_1", 512, 128, True), ("dsv4_1", 1024, 128, True),
+                    ("dsv4_nvfp4", 1024, 128, True), ("dsv4_1_fp4", 1024, 128, False),
+                    ("dsv4_1_fp4", 4096, 128, True), ("dsv3_2", 1024, 128, False), ("dsv3_2", 4096, 128, True),
+                    ("dsv4", 4096, 128, True), ("dsv4_nvfp4", 4096, 16, False)]
 
 
-@pytest.mark.parametrize("key,tokens,staged", MEASURED_STAGING)
-def test_default_constants_stage_where_it_measured_faster(cache_dir, key, tokens, staged):
+@pytest.mark.parametrize("key,tokens,heads,staged", MEASURED_STAGING)
+def test_default_constants_stage_where_it_measured_faster(cache_dir, key, tokens, heads, staged):
     fmt = jsm.get_format(key)
     num_slots = -(-192 * 1024 * 1024 // (64 * fmt.bytes_per_token)) * 64
-    plan = jsm.plan((tokens, 128, fmt.d_qk), fmt, 2048, platform="cuda", device=DEVICE, num_slots=num_slots)
+    plan = jsm.plan((tokens, heads, fmt.d_qk), fmt, 2048, platform="cuda", device=DEVICE, num_slots=num_slots)
     assert (plan.staged_format is not None) == staged, plan.describe()
+
+
+def test_auto_staging_never_pads_heads_but_forced_staging_may(cache_dir, monkeypatch):
+    """The cost model's choice stages only onto head tiles the call fills; JSMLA_CUDA_STAGING=on still
+    stages a call of fewer heads (onto whichever BF16 tile is cheapest)."""
+    fmt = jsm.get_format("dsv4_nvfp4")
+    # A model under which the padded staged tile would win: a free pass and free BF16 rows.
+    cheap = dataclasses.replace(planner.CostModel(), stage_gbps_by_format=(("dsv4_nvfp4", 1e9),), direct_row_ns=0.01)
+    for heads in (8, 16, 32):
+        auto = jsm.plan((4096, heads, fmt.d_qk), fmt, 2048, platform="cuda", device=DEVICE, num_slots=1 << 19,
+                        cost_model=cheap)
+        assert auto.staged_format is None or auto.heads_per_block <= heads, auto.describe()
+        monkeypatch.setenv(planner.STAGING_ENV, "on")
+        forced = jsm.plan((4096, heads, fmt.d_qk), fmt, 2048, platform="cuda", device=DEVICE, num_slots=1 << 19,
+                          cost_model=cheap)
+        monkeypatch.setenv(planner.STAGING_ENV, "auto")
+        assert forced.staged_format == "bf16_512"
+    at_64 = jsm.plan((4096, 64, fmt.d_qk), fmt, 2048, platform="cuda", device=DEVICE, num_slots=1 << 19,
+                     cost_model=cheap)
+    assert at_64.staged_format == "bf16_512" and at_64.heads_per_block == 64
 
 
 def test_e2m1_values_are_the_grid_bit_for_bit():
