@@ -135,12 +135,24 @@ def _profile_main(argv):
     """``python benchmarks/flashmla_anchor.py T H``: FlashMLA's decode on a random 172 MB V3.2 FP8 cache
     (the ``dsv3_2`` layout: 512 e4m3 values without NaN codes, four FP32 scales of 2^-4, 64 BF16 lanes;
     4096 pages of 64), topk 2048, three eager calls (for ncu: the last call's kernels are the measured
-    ones). PyTorch only, so it runs without jax_sparse_mla installed."""
+    ones). ``... T H prefill``: its BF16 sparse prefill on a random BF16 cache of as many slots, three
+    calls. PyTorch only, so it runs without jax_sparse_mla installed."""
     import torch
 
     tokens, heads = int(argv[1]), int(argv[2])
     pages, page_size, topk = 4096, 64, 2048
     generator = torch.Generator(device="cuda").manual_seed(0)
+    if len(argv) > 3 and argv[3] == "prefill":
+        import flash_mla
+
+        kv = (0.5 * torch.randn((pages * page_size, 1, 576), device="cuda", generator=generator)).to(torch.bfloat16)
+        q = torch.randn((tokens, heads, 576), device="cuda", generator=generator).to(torch.bfloat16)
+        index_t = torch.randint(0, pages * page_size, (tokens, 1, topk), dtype=torch.int32, device="cuda",
+                                generator=generator)
+        for _ in range(3):
+            flash_mla.flash_mla_sparse_fwd(q, kv, index_t, 576 ** -0.5)
+        torch.cuda.synchronize()
+        return
     cache = torch.empty((pages, page_size, 656), dtype=torch.uint8, device="cuda")
     cache[..., :512] = torch.randint(0, 256, (pages, page_size, 512), dtype=torch.uint8, device="cuda",
                                      generator=generator) & 0xF7  # exponent 1111 never occurs: no NaN

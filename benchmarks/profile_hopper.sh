@@ -8,7 +8,9 @@
 # each. The standalone headline timings come first (every case checked). Output: $OUT (default
 # /tmp/jsmla_profile_hopper); a side-by-side summary is printed last.
 #
-# JSMLA_PROFILE_SHAPE=h16 profiles the 16-head portable tile instead (dsv3_2 T = 128 H = 16, 1 split:
+# JSMLA_PROFILE_SHAPE=bf16 profiles the BF16 kernel (bf16_576 prefill, T = 128, H = 128: `portable_check
+# --profile-bf16`) beside FlashMLA's BF16 sparse prefill `sparse_attn_fwd_kernel` on the same shape
+# (`flashmla_anchor.py 128 128 prefill`); h16 profiles the 16-head portable tile instead (dsv3_2 T = 128 H = 16, 1 split:
 # the first launch of `portable_check --h16`, after that mode's timings), h16h the Hopper family's
 # 16-head tile on the same case, beside FlashMLA's kernel on the same shape (its heads padded to 64:
 # `flashmla_anchor.py 128 16`).
@@ -19,13 +21,15 @@ mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 source "$repo/benchmarks/flashmla_build.sh"
 start_flashmla_build
-build=/tmp/jsmla_profile_hopper_build
+build=${JSMLA_PROFILE_BUILD:-/tmp/jsmla_profile_hopper_build}  # JSMLA_PROFILE_BUILD: another tree profiled in the same session
 # what is profiled: (check mode, our kernel's regex, launches to skip and to profile, FlashMLA's heads)
 case "${JSMLA_PROFILE_SHAPE:-h128}" in
   h128) check_mode=--headline; ours="sparse_mla_hopper 0 4 $build/portable_check --profile"; flash_heads=128 ;;
   h16) check_mode=--h16; ours="sparse_mla_portable 0 1 $build/portable_check --h16"; flash_heads=16 ;;
   h16h) check_mode=--h16; ours="sparse_mla_hopper_h16 0 1 $build/portable_check --h16"; flash_heads=16 ;;
-  *) echo "JSMLA_PROFILE_SHAPE: h128, h16 or h16h"; exit 2 ;;
+  bf16) check_mode=--profile-bf16; ours="sparse_mla_hopper 0 1 $build/portable_check --profile-bf16"
+        flash_heads="128 prefill" ;;
+  *) echo "JSMLA_PROFILE_SHAPE: h128, h16, h16h or bf16"; exit 2 ;;
 esac
 (cd "$repo" && BUILD=$build SKIP_SANITIZE=1 OUT="$out/check" \
    bash kernels/cuda/tests/build_and_check.sh "$check_mode" > "$out/headline.log" 2>&1)
@@ -48,8 +52,11 @@ profile() {  # name, kernel regex, launches to skip, launches to profile, comman
 # shellcheck disable=SC2086
 profile ours $ours
 if flashmla_ready; then
-  (cd /tmp && export PYTHONPATH="$flashmla_src" && profile flashmla flash_fwd_splitkv_mla_fp8_sparse 2 1 \
-     python3 "$repo/benchmarks/flashmla_anchor.py" 128 "$flash_heads")
+  flash_kernel=flash_fwd_splitkv_mla_fp8_sparse
+  [ "${JSMLA_PROFILE_SHAPE:-h128}" = bf16 ] && flash_kernel=sparse_attn_fwd_kernel
+  # shellcheck disable=SC2086  # $flash_heads is the head count, and "prefill" for the bf16 shape
+  (cd /tmp && export PYTHONPATH="$flashmla_src" && profile flashmla $flash_kernel 2 1 \
+     python3 "$repo/benchmarks/flashmla_anchor.py" 128 $flash_heads)
 else
   echo "FlashMLA not built:"; tail -3 "$out/flashmla_build.log" 2>/dev/null
 fi

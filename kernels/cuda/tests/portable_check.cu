@@ -9,7 +9,8 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --profile | --profile-small]   (exit code 0
+// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --profile | --profile-small |
+//      --profile-bf16]   (exit code 0
 // only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --ablate: only the
@@ -718,6 +719,17 @@ int main(int argc, char** argv) {
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     run_case(d1, g_hopper_device ? on_hopper(decode_plan(64, 2048, 32)) : decode_plan(64, 2048, 32), {0}, 0);
     release(d1);
+    return g_failed ? 1 : 0;
+  }
+  // --profile-bf16: the bf16_576 prefill at T=128 H=128 once (the BF16 kernel beside FlashMLA's BF16
+  // sparse prefill under ncu, benchmarks/profile_hopper.sh).
+  if (mode == "--profile-bf16") {
+    const Fp8Table fp8;
+    HostCache bf16 = build_cache(format_traits(FormatId::kBf16_576), 4096, 64, 1152, 64 * 1152, 9, fp8);
+    Problem pr{"bf16_576 T=128 H=128 k=2048", FormatId::kBf16_576, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+    DeviceProblem d = make_problem(pr, &bf16, nullptr, 23);
+    run_case(d, g_hopper_device ? on_hopper(Plan{2, 64}) : Plan{2, 64}, {0}, 0);
+    release(d);
     return g_failed ? 1 : 0;
   }
   if (mode == "--h16") {  // the 16-head tiles at the tensor-parallel shard shapes, several split counts
