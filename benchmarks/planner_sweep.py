@@ -140,7 +140,8 @@ def refit(datas, tries, seed=0):
     best = None
     for i in range(tries):
         values = planner.CostModel.from_dict(calibrated).to_dict() if best is None else {
-            k: v * math.exp(rng.gauss(0.0, 0.25 if i < tries // 2 else 0.1)) if k not in CALIBRATED_ONLY else v
+            k: v * math.exp(rng.gauss(0.0, 0.25 if i < tries // 2 else 0.1))
+            if k not in CALIBRATED_ONLY and isinstance(v, float) else v  # per-format tables are kept
             for k, v in best[1].items()}
         judged = [judge(data, planner.CostModel(**values)) for data in datas]
         if any(rows is None for rows in judged):
@@ -162,7 +163,8 @@ def replay(paths, tries):
     datas = [json.load(open(path)) for path in paths]
     model = planner.CostModel()
     if tries:
-        model = planner.CostModel(**{k: float(f"{v:.3g}") for k, v in refit(datas, tries).items()})
+        model = planner.CostModel(**{k: float(f"{v:.3g}") if isinstance(v, float) else v
+                                     for k, v in refit(datas, tries).items()})
         print("refitted constants (3 significant digits):", json.dumps(model.to_dict()))
     ok = True
     for path, data in zip(paths, datas):
