@@ -42,9 +42,10 @@ def main(argv):
         print(json.dumps(rows[-1]), flush=True)
 
     model = planner.CostModel()
-    factors = calibration.measure_row_factors(device, model, FLAGS.formats, progress)
+    caches = {}  # one random cache per format for both measurements
+    factors = calibration.measure_row_factors(device, model, FLAGS.formats, progress, caches=caches)
     stageable = [f for f in FLAGS.formats if planner.staging_format(f) is not None]
-    rates = calibration.measure_stage_rates(model, stageable)[:len(stageable)]
+    rates = calibration.measure_stage_rates(model, stageable, caches)[:len(stageable)]  # the measured ones
     name = jax.devices()[0].device_kind
     lines = [f"Per-format planner constants on {name}, topk 2048. Row factors: prefill time of each format over "
              f"its reference format's ({calibration.ROW_FACTOR_REFERENCES}) and the factor that makes the "

@@ -234,7 +234,7 @@ def measure_cost_model(device, *, formats, heads, topks, progress: Optional[Call
     fitted = fit_cost_model(samples, device)
     constants = fitted.to_dict()
     # The other formats' row costs against the formats the constants were fitted on.
-    constants["row_factors"] = measure_row_factors(device, fitted, formats)
+    constants["row_factors"] = measure_row_factors(device, fitted, formats, caches=caches)
     # The copy pass of staged plans, per stageable format (the first one's rate also for the others).
     stageable = [f for f in formats if planner.staging_format(f) is not None]
     if stageable:
@@ -285,12 +285,14 @@ def row_factor_for(model: planner.CostModel, device, kv_format: str, head_tile: 
     return round((low * high) ** 0.5, 3)
 
 
-def measure_row_factors(device, model: planner.CostModel, formats, progress: Optional[Callable] = None) -> tuple:
+def measure_row_factors(device, model: planner.CostModel, formats, progress: Optional[Callable] = None,
+                        caches: Optional[dict] = None) -> tuple:
     """Times the prefill of every format of ``formats`` that is not a reference
     (:data:`ROW_FACTOR_REFERENCES`) on each of its Hopper-family head tiles beside its reference format,
-    and returns ``model.row_factors`` with those (format, tile) entries measured (the others kept)."""
+    and returns ``model.row_factors`` with those (format, tile) entries measured (the others kept).
+    ``caches``: random caches by format key, reused and added to (as :func:`measure_stage_rates`)."""
     factors = {(key, tile): f for key, tile, f in model.row_factors}
-    caches = {}
+    caches = {} if caches is None else caches
     for kv_format in formats:
         if kv_format in ROW_FACTOR_REFERENCES.values():
             continue

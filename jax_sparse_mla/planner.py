@@ -511,10 +511,10 @@ def plan(q_shape, kv_format: Union[str, KVFormat], topk: int, *, extra_topk: int
     if device is None:
         device = device_info(platform)
     if cost_model is not None:
-        constants = tuple(sorted(_frozen(list(cost_model.to_dict().items()))))
+        constants = tuple(sorted((k, _frozen(v)) for k, v in cost_model.to_dict().items()))
     elif platform == "cuda":
         calibrated = calibration_store.device_constants(device.name)
-        constants = None if calibrated is None else tuple(sorted(_frozen(list(calibrated.items()))))
+        constants = None if calibrated is None else tuple(sorted((k, _frozen(v)) for k, v in calibrated.items()))
     else:
         constants = None
     if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer))
