@@ -6,10 +6,24 @@
 
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #define JSMLA_DEVICE __device__ __forceinline__
 
 namespace jsmla::cuda {
+
+// Calls f(std::integral_constant<int, i>{}) for i = 0 .. kCount - 1, in order: a loop whose index
+// must be a compile-time constant in every iteration (wgmma register operands, descriptor offsets)
+// whatever the unroller decides.
+template <class F, int... kIndex>
+JSMLA_DEVICE void static_for_each(F&& f, std::integer_sequence<int, kIndex...>) {
+  (f(std::integral_constant<int, kIndex>{}), ...);
+}
+template <int kCount, class F>
+JSMLA_DEVICE void static_for(F&& f) {
+  static_for_each(f, std::make_integer_sequence<int, kCount>{});
+}
 
 JSMLA_DEVICE uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));

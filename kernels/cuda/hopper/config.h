@@ -55,9 +55,6 @@ struct HopperConfig {
   static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
   static constexpr int kProducerRegisters = 104;
   static constexpr int kConsumerRegisters = 200;
-  // The scorer leaves its P·V of tile i in flight behind S of tile i + 1 (its A fragments then live
-  // across the tile) where the registers allow: not beside a 64-candidate tile's scores.
-  static constexpr bool kScorerPVInFlight = !kWideTiles;
   static constexpr int kDqk = kF.d_qk;
   static constexpr int kDv = kF.d_v;
   static constexpr int kDvPerGroup = kDv / kConsumerGroups;  // wgmma N of P·V
@@ -75,11 +72,15 @@ struct HopperConfig {
   // Staged units a producer thread loads before converting them (bounded by its registers).
   static constexpr int kConvertBatch = 10;
   // Arbitrary FP32 scales (glm_*): the tile holds FP8 × 2^e, and the consumers apply each candidate's
-  // mantissas in FP32 — to S group by group (chained ratios), to P once per group of V columns, so a
+  // mantissas in FP32 — to each scale group's partial scores, to P once per group of V columns, so a
   // consumer's half of d_v runs as kPVariants m64n(256 / kPVariants) wgmmas, each with its own P.
   static constexpr bool kExactScales = Geometry::kExactScales;
   static constexpr int kGroupKSteps = kExactScales ? kF.group_size / 16 : 0;   // k16 steps per scale group
   static constexpr int kPVariants = kExactScales ? kDvPerGroup / kF.group_size : 1;
+  // The scorer leaves its P·V of tile i in flight behind S of tile i + 1 (its A fragments then live
+  // across the tile) where the registers allow: not beside a 64-candidate tile's scores.
+  // Nor beside arbitrary scales: their scale groups' partial scores take those registers.
+  static constexpr bool kScorerPVInFlight = !kWideTiles && !kExactScales;
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;
@@ -89,7 +90,7 @@ struct HopperConfig {
   //   scale group of its columns;
   //   two staging areas of raw rows and two sets of per-thread scale slots (none for direct tiles), kStages
   //   score-bias rows, kPBuffers rows of rescale factors, the final row maxima and sums, two stages of
-  //   per-candidate mantissas and ratios (exact scales only).
+  //   per-candidate mantissas and ratios (exact scales only; the ratios serve the portable family).
   static constexpr int kQBytes = kHeadTile * kDqk * 2;
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
   static constexpr int kTileBytes = kCandidateTile * kDqk * 2;

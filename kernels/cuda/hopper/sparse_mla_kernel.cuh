@@ -13,7 +13,8 @@
 // Scorer, per 32-candidate tile: wait full[b]; issue S = Q·Kᵀ (kDqk/16 wgmmas) behind its P·V of the
 // previous tile, wait for that P·V and arrive empty for the previous buffer, then wait for S; softmax;
 // P and the rows' rescale factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half]
-// += P·V (2 wgmmas, left in flight into the next tile). Per 64-candidate tile (whose 32 scores a
+// += P·V (2 wgmmas, left in flight into the next tile; arbitrary scales: S in stages per scale group,
+// and P·V waited for in the tile, config.h). Per 64-candidate tile (whose 32 scores a
 // thread holds leave no registers for a P·V in flight): wait full[b]; S, wait; softmax; wait p_free
 // (warpgroup 2 is done with the one P buffer); P and the factors; arrive p_ready; P·V (4 wgmmas),
 // wait, arrive empty[b].
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   uint8_t* const q_smem = smem + Cfg::kQOffset;
   float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);  // [2][kN]
   auto tile_buffer = [&](int b) { return smem + Cfg::kTileOffset + b * Cfg::kTileBytes; };
-  // Exact scales: stage b's per-candidate mantissas [group][candidate], then ratios m_g / m_{g+1}.
+  // Exact scales: stage b's per-candidate mantissas [group][candidate] (then ratios, unused here).
   auto factors = [&](int b) { return reinterpret_cast<float*>(smem + Cfg::kFactorOffset + b * Cfg::kFactorBytes); };
 
   // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
@@ -298,21 +299,58 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             fence_registers(score_registers);
           };
           if constexpr (Cfg::kExactScales) {
-            if (Cfg::kScorerPVInFlight && i > 0) {
-              wgmma_wait_all();
-              previous_pv_registers();
-              release(i - 1);
-            }
-            // Leaving group g the partial sum is multiplied by m_g / m_{g+1} (m_G = 1): after the last
-            // group it is Σ_g m_g·S_g, and the unscaled BF16 lanes after the groups add to it.
+            // Each scale group's partial scores times its candidates' mantissas m_g, added in group
+            // order, then the unscaled BF16 lanes after the groups: stages that take turns in two
+            // partial sums, two in flight (the scores themselves are never a wgmma accumulator: three
+            // accumulators beside O do not fit the registers, and ptxas would serialise the wgmmas).
+            constexpr int kGroups = Loader::kNumGroups;
+            constexpr int kRestSteps = Cfg::kKSteps - kGroups * Cfg::kGroupKSteps;
+            constexpr int kScoreStages = kGroups + (kRestSteps > 0 ? 1 : 0);
+            static_assert(kScoreStages >= 2, "two partial sums take turns");
+            float partial[2][kN / 2];
+            auto issue_stage = [&](auto stage_constant) {
+              constexpr int stage = decltype(stage_constant)::value;
+              constexpr int first = stage * Cfg::kGroupKSteps;
+              constexpr int last = stage < kGroups ? first + Cfg::kGroupKSteps : Cfg::kKSteps;
+              wgmma_fence();
+              static_for<last - first>([&](auto step) {
+                constexpr int ks = first + decltype(step)::value;
+                constexpr uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
+                constexpr uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
+                wgmma_score_ss(partial[stage % 2], q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
+                               ks > first ? 1 : 0);
+              });
+              wgmma_commit();
+            };
+            issue_stage(std::integral_constant<int, 0>{});
+            issue_stage(std::integral_constant<int, 1>{});
+            const int column = 2 * (lane % 4);
+            static_for<kScoreStages>([&](auto stage_constant) {
+              constexpr int stage = decltype(stage_constant)::value;
+              if constexpr (stage + 1 < kScoreStages) {
+                wgmma_wait<1>();
+              } else {
+                wgmma_wait_all();
+              }
+              float (&acc)[kN / 2] = partial[stage % 2];
+              fence_registers(acc);
+              if constexpr (stage < kGroups) {
+                const float* const mantissa = factors(b) + stage * kN + column;
 #pragma unroll
-            for (int g = 0; g < Loader::kNumGroups; ++g) {
-              score_steps(g * Cfg::kGroupKSteps, (g + 1) * Cfg::kGroupKSteps);
-              scale_score_columns(score, factors(b) + (Loader::kNumGroups + g) * kN, lane);
-            }
-            if constexpr (Loader::kNumGroups * Cfg::kGroupKSteps < Cfg::kKSteps) {
-              score_steps(Loader::kNumGroups * Cfg::kGroupKSteps, Cfg::kKSteps);
-            }
+                for (int j = 0; j < kN / 8; ++j) {
+                  const float2 m = *reinterpret_cast<const float2*>(mantissa + 8 * j);
+                  const float f[4] = {m.x, m.y, m.x, m.y};
+#pragma unroll
+                  for (int r = 0; r < 4; ++r) {
+                    score[j][r] = stage == 0 ? acc[4 * j + r] * f[r] : fmaf(acc[4 * j + r], f[r], score[j][r]);
+                  }
+                }
+              } else {
+#pragma unroll
+                for (int r = 0; r < kN / 2; ++r) score_registers[r] += acc[r];
+              }
+              if constexpr (stage + 2 < kScoreStages) issue_stage(std::integral_constant<int, stage + 2>{});
+            });
           } else {
             // S of this tile queues behind the previous tile's P·V on the tensor cores: its issue does
             // not wait for that P·V, and the previous buffer goes back as soon as the P·V is done.
