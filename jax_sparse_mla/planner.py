@@ -44,6 +44,11 @@ __all__ = ["DeviceInfo", "DEFAULT_CUDA_DEVICE", "CostModel", "Plan", "plan", "cl
 BATCH_INVARIANT_SPLIT_SIZE = 256
 #: Split counts the planner considers (the combine reads every split of a token).
 SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: Bytes per partial value the split merge's cost charges: the combine constants (``combine_gbps``,
+#: ``warp_combine_gbps``) were fitted on sweeps timed when the partial rows were FP32. The kernels now
+#: write BF16 partial rows (half the bytes; the merge measured 0.82x its former time at T = 1, H = 128,
+#: 32 splits), so the model overstates the merge until a sweep on the BF16 layout refits the constants.
+COMBINE_FIT_PARTIAL_BYTES = 4
 #: The largest BF16 copy of a cache (bytes) a plan may stage: the copy is a temporary of the call.
 STAGE_MAX_BYTES = 2 * 1024**3
 #: The environment variable that overrides the staging choice (module docstring).
@@ -158,7 +163,9 @@ class CostModel:
 
     def combine_us(self, num_splits: int, num_tokens: int, num_heads: int, d_v: int, sm_count: int) -> float:
         """The split merge of a decode plan on ``sm_count`` SMs."""
-        moved = num_splits * num_tokens * num_heads * (d_v + 1) * 4 + num_tokens * num_heads * (2 * d_v + 4)
+        # Charged as the FP32 partial rows the recorded sweeps were timed with (module constant below).
+        moved = (num_splits * num_tokens * num_heads * (d_v * COMBINE_FIT_PARTIAL_BYTES + 4)
+                 + num_tokens * num_heads * (2 * d_v + 4))
         shape = kernel_tables.combine_shape(num_tokens * num_heads, num_splits, d_v, max(1, sm_count))
         return self.launch_us + moved / ((self.warp_combine_gbps if shape == "warp" else self.combine_gbps) * 1e3)
 

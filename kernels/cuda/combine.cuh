@@ -63,6 +63,17 @@ struct MergeCursor {
   }
 };
 
+// The 4 BF16 partial values at `partial` (8-byte aligned), as loaded: kept packed until they are
+// added (unpacked where they are loaded, the unpacking would wait for the loads there, before the lse
+// reductions they are meant to overlap).
+JSMLA_DEVICE uint2 load_partial4(const uint16_t* partial) { return *reinterpret_cast<const uint2*>(partial); }
+// The 4 values of load_partial4 as floats (zeros for a split of weight 0: its row is never used).
+JSMLA_DEVICE float4 partial_values(uint2 bits, float weight) {
+  if (weight == 0.0f) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return make_float4(__uint_as_float(bits.x << 16), __uint_as_float(bits.x & 0xffff0000u),
+                     __uint_as_float(bits.y << 16), __uint_as_float(bits.y & 0xffff0000u));
+}
+
 JSMLA_DEVICE void add_float4(float4& sum, const float4& value) {
   sum.x += value.x;
   sum.y += value.y;
@@ -119,17 +130,16 @@ __global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlock
   // partial row of a valid token (zeros when it saw no candidate), and a split of weight 0 adds exactly
   // 0 (its loaded value is replaced, never multiplied).
   const int count = kGroups == 1 ? p.num_splits : (p.num_splits - group + kMergeGroups - 1) / kMergeGroups;
-  const float* const partial_column = p.workspace.partial_out + column;
-  float4 part[kSplitsInFlight];
+  const uint16_t* const partial_column = p.workspace.partial_out + column;
+  uint2 part[kSplitsInFlight];
   MergeCursor load_cursor{kGroups == 1 ? 0 : group, 0};
   auto load_batch = [&](int first) {
 #pragma unroll
     for (int u = 0; u < kSplitsInFlight; ++u) {
       const int s = kOneSplitPerGroup ? first + u : load_cursor.split();
       part[u] = s < p.num_splits
-                    ? *reinterpret_cast<const float4*>(
-                          partial_column + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv)
-                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    ? load_partial4(partial_column + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv)
+                    : make_uint2(0u, 0u);
       if constexpr (!kOneSplitPerGroup) load_cursor.template advance<kGroups>(p.num_splits);
     }
   };
@@ -164,7 +174,7 @@ __global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlock
         const int s = first + u;
         if (s >= p.num_splits) break;
         const float weight = split_weight[s];
-        const float4 value = weight != 0.0f ? part[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float4 value = partial_values(part[u], weight);
         const float4 group_total = make_float4(fmaf(weight, value.x, 0.0f), fmaf(weight, value.y, 0.0f),
                                                fmaf(weight, value.z, 0.0f), fmaf(weight, value.w, 0.0f));
         if (s == 0) {
@@ -199,7 +209,7 @@ __global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlock
       while (open_group < cursor.merge_group) close_group();
       cursor.advance<kGroups>(p.num_splits);
       const float weight = split_weight[split];
-      const float4 value = weight != 0.0f ? part[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 value = partial_values(part[u], weight);
       acc.x = fmaf(weight, value.x, acc.x);
       acc.y = fmaf(weight, value.y, acc.y);
       acc.z = fmaf(weight, value.z, acc.z);
@@ -247,13 +257,15 @@ __global__ void __launch_bounds__(32 * kWarps) combine_rows_by_warp_kernel(const
   }
   wait_for_prerequisite_grid();
 
-  float4 part[kMaxSplits][kRuns];
+  uint2 part[kMaxSplits][kRuns];
 #pragma unroll
   for (int s = 0; s < kMaxSplits; ++s) {
-    const float4* const partial = reinterpret_cast<const float4*>(
-        p.workspace.partial_out + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv);
+    const uint16_t* const partial =
+        p.workspace.partial_out + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv;
 #pragma unroll
-    for (int j = 0; j < kRuns; ++j) part[s][j] = s < p.num_splits ? partial[lane + 32 * j] : make_float4(0, 0, 0, 0);
+    for (int j = 0; j < kRuns; ++j) {
+      part[s][j] = s < p.num_splits ? load_partial4(partial + 4 * (lane + 32 * j)) : make_uint2(0u, 0u);
+    }
   }
   const float split_lse = lane < p.num_splits
                               ? p.workspace.partial_lse[SplitWorkspace::row(lane, token, head, p.num_tokens, p.num_heads)]
@@ -271,7 +283,7 @@ __global__ void __launch_bounds__(32 * kWarps) combine_rows_by_warp_kernel(const
     if (s >= p.num_splits) break;
 #pragma unroll
     for (int j = 0; j < kRuns; ++j) {
-      const float4 value = weight != 0.0f ? part[s][j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      const float4 value = partial_values(part[s][j], weight);
       const float4 group_total = make_float4(fmaf(weight, value.x, 0.0f), fmaf(weight, value.y, 0.0f),
                                              fmaf(weight, value.z, 0.0f), fmaf(weight, value.w, 0.0f));
       if (s == 0) {

@@ -278,13 +278,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w), pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
     }
   } else {
-    constexpr int kChunks = Cfg::kDv / 4;  // 4 floats a 16-byte store
+    constexpr int kChunks = Cfg::kDv / 4;  // 4 values an 8-byte store
     for (int c = consumer_thread; c < heads * kChunks; c += Cfg::kConsumerThreads) {
       const int h = c / kChunks;
       const int d = (c % kChunks) * 4;
       const int64_t row = SplitWorkspace::row(coordinates.split, token, head_begin + h, a.num_tokens, num_heads);
-      *reinterpret_cast<float4*>(p.workspace.partial_out + row * Cfg::kDv + d) =
-          *reinterpret_cast<const float4*>(out_rows + h * Cfg::kOutPitch + d);
+      const float4 x = *reinterpret_cast<const float4*>(out_rows + h * Cfg::kOutPitch + d);
+      *reinterpret_cast<uint2*>(p.workspace.partial_out + row * Cfg::kDv + d) =
+          make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
     }
   }
   if (warp == 0 && lane < 4) {

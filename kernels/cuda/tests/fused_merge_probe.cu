@@ -27,6 +27,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/common/numeric.h"
 #include "kernels/cuda/combine.h"
 #include "kernels/cuda/combine_shape.h"
 #include "kernels/cuda/device_utils.cuh"
@@ -54,7 +55,7 @@ static_assert(kMaxSplits <= 32 * kReduceWarps, "the combine's block reduction ho
   } while (0)
 
 struct ProbeParams {
-  const float* source_out;  // the partial rows to store, the workspace's layout
+  const uint16_t* source_out;  // the partial rows to store (BF16), the workspace's layout
   const float* source_lse;
   SplitWorkspace workspace;
   int num_splits;
@@ -66,6 +67,14 @@ struct ProbeParams {
   uint16_t* out;       // bf16 bits [T, H, d_v]
   float* lse;          // [T, H]
 };
+
+// 4 BF16 partial values as floats.
+__device__ float4 unpack4(uint2 bits) {
+  return make_float4(__uint_as_float(bits.x << 16), __uint_as_float(bits.x & 0xffff0000u),
+                     __uint_as_float(bits.y << 16), __uint_as_float(bits.y & 0xffff0000u));
+}
+// The same loaded around L1 (other blocks wrote them).
+__device__ float4 partial4_cg(const uint16_t* partial) { return unpack4(__ldcg(reinterpret_cast<const uint2*>(partial))); }
 
 // The fused merging block's shared memory: its own partial rows (the split kernel's epilogue can stage
 // them there, its tile buffers being free by then), the tile's (row, split) lse values and weights.
@@ -92,14 +101,14 @@ __global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __gri
   const int tiles_per_token = p.num_heads / p.head_tile;
   const int token = tile / tiles_per_token;
   const int head_begin = (tile % tiles_per_token) * p.head_tile;
-  const int vectors = p.head_tile * kDv / 4;  // float4 of the tile's rows
+  const int vectors = p.head_tile * kDv / 4;  // runs of 4 values of the tile's rows
   const int64_t first_row = SplitWorkspace::row(split, token, head_begin, p.num_tokens, p.num_heads);
-  const float4* const source = reinterpret_cast<const float4*>(p.source_out + first_row * kDv);
-  float4* const target = reinterpret_cast<float4*>(p.workspace.partial_out + first_row * kDv);
+  const uint16_t* const source = p.source_out + first_row * kDv;
+  uint2* const target = reinterpret_cast<uint2*>(p.workspace.partial_out + first_row * kDv);
   for (int v = threadIdx.x; v < vectors; v += kThreads) {
-    const float4 x = source[v];
+    const uint2 x = *reinterpret_cast<const uint2*>(source + 4 * v);
     target[v] = x;
-    if constexpr (kFused) sh.own[v] = x;
+    if constexpr (kFused) sh.own[v] = unpack4(x);
   }
   if (threadIdx.x < p.head_tile) p.workspace.partial_lse[first_row + threadIdx.x] = p.source_lse[first_row + threadIdx.x];
   if constexpr (kFused) {
@@ -161,10 +170,9 @@ __global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __gri
             // weight 0 adds an exact 0 (its row is never read)
             value[b] = weight[b] == 0.0f ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
                        : s == split      ? sh.own[v]
-                                         : __ldcg(reinterpret_cast<const float4*>(
-                                               p.workspace.partial_out +
-                                               SplitWorkspace::row(s, token, head_begin + r, p.num_tokens, p.num_heads) * kDv +
-                                               4 * (v % (kDv / 4))));
+                                         : partial4_cg(p.workspace.partial_out +
+                                                       SplitWorkspace::row(s, token, head_begin + r, p.num_tokens, p.num_heads) * kDv +
+                                                       4 * (v % (kDv / 4)));
           }
 #pragma unroll
           for (int b = 0; b < kBatch; ++b) {
@@ -238,16 +246,21 @@ int main() {
     std::mt19937 rng(1234 + c.num_splits);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::vector<float> host_out(rows * kDv), host_lse(rows);
-    for (float& x : host_out) x = normal(rng);
+    std::vector<uint16_t> host_bits(rows * kDv);  // the partial rows as the workspace holds them (BF16)
+    for (int64_t i = 0; i < rows * kDv; ++i) {
+      host_bits[i] = jsmla::float_to_bf16(normal(rng));
+      host_out[i] = jsmla::bf16_to_float(host_bits[i]);
+    }
     for (int64_t i = 0; i < rows; ++i) host_lse[i] = 2.0f * normal(rng) + 5.0f;
     for (int64_t i = 0; i < rows; i += 7) host_lse[i] = -INFINITY;  // empty splits: weight 0
     const size_t workspace_bytes = SplitWorkspace::bytes(c.num_splits, c.num_tokens, c.num_heads, kDv);
-    float *source_out, *source_lse, *lse_sep, *lse_fused;
+    uint16_t* source_out;
+    float *source_lse, *lse_sep, *lse_fused;
     void* workspace;
     uint16_t *out_sep, *out_fused;
     unsigned* arrivals;
     const int tiles = c.num_tokens * c.num_heads / c.head_tile;
-    CHECK_CUDA(cudaMalloc(&source_out, rows * kDv * sizeof(float)));
+    CHECK_CUDA(cudaMalloc(&source_out, rows * kDv * sizeof(uint16_t)));
     CHECK_CUDA(cudaMalloc(&source_lse, rows * sizeof(float)));
     CHECK_CUDA(cudaMalloc(&workspace, workspace_bytes));
     CHECK_CUDA(cudaMalloc(&out_sep, int64_t{c.num_tokens} * c.num_heads * kDv * 2));
@@ -256,7 +269,7 @@ int main() {
     CHECK_CUDA(cudaMalloc(&lse_fused, int64_t{c.num_tokens} * c.num_heads * 4));
     CHECK_CUDA(cudaMalloc(&arrivals, tiles * sizeof(unsigned)));
     CHECK_CUDA(cudaMemset(arrivals, 0, tiles * sizeof(unsigned)));
-    CHECK_CUDA(cudaMemcpy(source_out, host_out.data(), rows * kDv * sizeof(float), cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(source_out, host_bits.data(), rows * kDv * sizeof(uint16_t), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(source_lse, host_lse.data(), rows * sizeof(float), cudaMemcpyHostToDevice));
 
     ProbeParams p{};
