@@ -2,7 +2,8 @@
 // A block merges a slice of 4 * kLanes output columns of one (token, head) row with kLanes * kGroups
 // threads. Its threads first read the row's per-split log-sum-exp values in parallel (one split per
 // thread) and reduce them in a fixed tree order, while each thread's first partial loads are already
-// in flight (the merge is latency-bound); then each thread adds its float4 of every split's partial.
+// in flight (the merge is latency-bound); then each thread adds its 4 columns of every split's partial
+// row (BF16 values, summed in FP32).
 //
 // One summation order for every shape: the splits form kMergeGroups merge groups (split s in group
 // s % kMergeGroups); a group's splits are added in order into a sum started at zero (one fused
@@ -234,13 +235,13 @@ __global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlock
 // split): one warp per (token, head) row, kWarps rows a block, no shared memory and no block barrier.
 // It adds in the order of combine_splits_kernel's few-splits path and reduces the splits' lse values
 // as its block_reduce does (lane s holds split s; the block's other warps would add +0), so the bits
-// are the same. A lane holds float4 columns 4 (lane + 32 j) of every split, all loads in flight before
+// are the same. A lane holds the 4 columns from 4 (lane + 32 j) of every split, all loads in flight before
 // the lse reduction.
 template <int kDv, int kWarps, int kMaxSplits>
 __global__ void __launch_bounds__(32 * kWarps) combine_rows_by_warp_kernel(const __grid_constant__ CombineParams p) {
   static_assert(kMaxSplits <= kMergeGroups && kMaxSplits <= 32, "one split per merge group and per lane");
   static_assert(kDv % 128 == 0, "a warp covers a row in whole float4 runs");
-  constexpr int kRuns = kDv / 128;  // float4 columns per lane
+  constexpr int kRuns = kDv / 128;  // runs of 4 columns per lane
   static_assert(kMaxSplits * kRuns <= 32, "a lane's partial loads fit its registers (128; more spill)");
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // token * H + head
