@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(32 * kWarps) combine_rows_by_warp_kernel(const
   static_assert(kMaxSplits <= kMergeGroups && kMaxSplits <= 32, "one split per merge group and per lane");
   static_assert(kDv % 128 == 0, "a warp covers a row in whole float4 runs");
   constexpr int kRuns = kDv / 128;  // runs of 4 columns per lane
-  static_assert(kMaxSplits * kRuns <= 32, "a lane's partial loads fit its registers (128; more spill)");
+  static_assert(kMaxSplits * kRuns <= 32, "a lane's partial loads (2 registers each) stay in flight in its registers");
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // token * H + head
   if (row >= p.num_tokens * p.num_heads) return;  // whole warps

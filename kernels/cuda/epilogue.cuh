@@ -39,7 +39,7 @@ JSMLA_DEVICE uint32_t select_word(uint32_t w0, uint32_t w1, uint32_t w2, uint32_
 // the row, whose fragment 0 starts at `row` (16-byte aligned). The four lanes that share the row (a
 // quad; they skip rows together) transpose their pairs so that lane q holds all 8 columns of fragment
 // 4g + q and stores them as one 16-byte run: each 32-byte sector of the row is then written whole by
-// one instruction, not in 4-byte pieces by four (which measured 1.2x slower for the split kernel's
+// one instruction, not in 4-byte pieces by four (which measured 1.1-1.2x slower for the split kernel's
 // partial rows at T = 1).
 template <int kFragments>
 JSMLA_DEVICE void store_row_bf16(uint16_t* row, const uint32_t (&pairs)[kFragments], int lane) {
