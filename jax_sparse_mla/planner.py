@@ -163,7 +163,7 @@ class CostModel:
 
     def combine_us(self, num_splits: int, num_tokens: int, num_heads: int, d_v: int, sm_count: int) -> float:
         """The split merge of a decode plan on ``sm_count`` SMs."""
-        # Charged as the FP32 partial rows the recorded sweeps were timed with (module constant below).
+        # Charged as the FP32 partial rows the recorded sweeps were timed with (COMBINE_FIT_PARTIAL_BYTES).
         moved = (num_splits * num_tokens * num_heads * (d_v * COMBINE_FIT_PARTIAL_BYTES + 4)
                  + num_tokens * num_heads * (2 * d_v + 4))
         shape = kernel_tables.combine_shape(num_tokens * num_heads, num_splits, d_v, max(1, sm_count))

@@ -68,11 +68,14 @@ struct MergeCursor {
 // added (unpacked where they are loaded, the unpacking would wait for the loads there, before the lse
 // reductions they are meant to overlap).
 JSMLA_DEVICE uint2 load_partial4(const uint16_t* partial) { return *reinterpret_cast<const uint2*>(partial); }
-// The 4 values of load_partial4 as floats (zeros for a split of weight 0: its row is never used).
-JSMLA_DEVICE float4 partial_values(uint2 bits, float weight) {
-  if (weight == 0.0f) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+// The 4 BF16 values of load_partial4 as floats.
+JSMLA_DEVICE float4 unpack_partial4(uint2 bits) {
   return make_float4(__uint_as_float(bits.x << 16), __uint_as_float(bits.x & 0xffff0000u),
                      __uint_as_float(bits.y << 16), __uint_as_float(bits.y & 0xffff0000u));
+}
+// The same, zeros for a split of weight 0 (its row is never used).
+JSMLA_DEVICE float4 partial_values(uint2 bits, float weight) {
+  return weight == 0.0f ? make_float4(0.0f, 0.0f, 0.0f, 0.0f) : unpack_partial4(bits);
 }
 
 JSMLA_DEVICE void add_float4(float4& sum, const float4& value) {

@@ -270,33 +270,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
         if constexpr (group == 0) {
           named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
-          // S = Q·Kᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of Q and of the tile.
+          // S = Q·Kᵀ, kDqk / 16 k-steps.
           float score[kN / 8][4];  // the m64nkN accumulators: score[j][r] as in online_softmax.cuh
           float (&score_registers)[kN / 2] = reinterpret_cast<float (&)[kN / 2]>(score);
           const SmemDescriptor q_descriptor = smem_descriptor(q_smem, 16, 1024);
           const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
-          // k-steps [first, last) accumulate into the scores, one wgmma group.
-          auto issue_score_steps = [&](int first, int last) {  // called with constants: unrolled whole
-            wgmma_fence();
-#pragma unroll
-            for (int ks = first; ks < last; ++ks) {
-              const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
-              const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-              wgmma_score_ss(score_registers, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
-                             ks > 0 ? 1 : 0);
-            }
-            wgmma_commit();
+          // k-step ks into `acc` (overwriting it unless `accumulate`): columns [16 ks, 16 ks + 16) of Q and
+          // of the tile.
+          auto score_step = [&](float (&acc)[kN / 2], int ks, int accumulate) {  // ks a constant: unrolled
+            const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
+            const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
+            wgmma_score_ss(acc, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset), accumulate);
           };
           // Once the previous tile's P·V (left in flight) is done and no other wgmma is: its accumulators
           // and A fragments are free again.
           auto previous_pv_registers = [&] {
             fence_registers(out_acc);
             fence_registers(p_registers);
-          };
-          auto score_steps = [&](int first, int last) {
-            issue_score_steps(first, last);
-            wgmma_wait_all();
-            fence_registers(score_registers);
           };
           if constexpr (Cfg::kExactScales) {
             // Each scale group's partial scores times its candidates' mantissas m_g, added in group
@@ -314,11 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
               constexpr int last = stage < kGroups ? first + Cfg::kGroupKSteps : Cfg::kKSteps;
               wgmma_fence();
               static_for<last - first>([&](auto step) {
-                constexpr int ks = first + decltype(step)::value;
-                constexpr uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
-                constexpr uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-                wgmma_score_ss(partial[stage % 2], q_descriptor.offset(q_offset), k_descriptor.offset(k_offset),
-                               ks > first ? 1 : 0);
+                score_step(partial[stage % 2], first + decltype(step)::value, decltype(step)::value > 0 ? 1 : 0);
               });
               wgmma_commit();
             };
@@ -354,7 +340,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           } else {
             // S of this tile queues behind the previous tile's P·V on the tensor cores: its issue does
             // not wait for that P·V, and the previous buffer goes back as soon as the P·V is done.
-            issue_score_steps(0, Cfg::kKSteps);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < Cfg::kKSteps; ++ks) score_step(score_registers, ks, ks > 0 ? 1 : 0);
+            wgmma_commit();
             if (Cfg::kScorerPVInFlight && i > 0) {
               wgmma_wait<1>();
               release(i - 1);

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "kernels/common/numeric.h"
+#include "kernels/cuda/combine.cuh"
 #include "kernels/cuda/combine.h"
 #include "kernels/cuda/combine_shape.h"
 #include "kernels/cuda/device_utils.cuh"
@@ -68,13 +69,10 @@ struct ProbeParams {
   float* lse;          // [T, H]
 };
 
-// 4 BF16 partial values as floats.
-__device__ float4 unpack4(uint2 bits) {
-  return make_float4(__uint_as_float(bits.x << 16), __uint_as_float(bits.x & 0xffff0000u),
-                     __uint_as_float(bits.y << 16), __uint_as_float(bits.y & 0xffff0000u));
+// 4 BF16 partial values as floats, loaded around L1 (other blocks wrote them).
+__device__ float4 partial4_cg(const uint16_t* partial) {
+  return unpack_partial4(__ldcg(reinterpret_cast<const uint2*>(partial)));
 }
-// The same loaded around L1 (other blocks wrote them).
-__device__ float4 partial4_cg(const uint16_t* partial) { return unpack4(__ldcg(reinterpret_cast<const uint2*>(partial))); }
 
 // The fused merging block's shared memory: its own partial rows (the split kernel's epilogue can stage
 // them there, its tile buffers being free by then), the tile's (row, split) lse values and weights.
@@ -108,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __gri
   for (int v = threadIdx.x; v < vectors; v += kThreads) {
     const uint2 x = *reinterpret_cast<const uint2*>(source + 4 * v);
     target[v] = x;
-    if constexpr (kFused) sh.own[v] = unpack4(x);
+    if constexpr (kFused) sh.own[v] = unpack_partial4(x);
   }
   if (threadIdx.x < p.head_tile) p.workspace.partial_lse[first_row + threadIdx.x] = p.source_lse[first_row + threadIdx.x];
   if constexpr (kFused) {
