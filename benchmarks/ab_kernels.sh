@@ -8,7 +8,8 @@
 #   bash benchmarks/ab_kernels.sh .ab/base .ab/variant ...   # trees: copies of the repository
 #
 # The working tree runs first and again last, so the table shows how far the clocks drifted. With
-# AB_QUICK_ALL=1 every tree runs the `--quick` matrix (not only the working tree); with AB_RACECHECK=1
+# AB_QUICK_ALL=1 every tree runs the `--quick` matrix (not only the working tree; AB_QUICK_TREES names
+# the trees that do); with AB_RACECHECK=1
 # every tree's `--sanitize` cases also run under compute-sanitizer racecheck; AB_MODE=--ablate times
 # only the dsv3_2 H = 128 rows (for trees that leave a stage of the kernel out). Logs go to
 # $OUT (default /tmp/jsmla_ab).
@@ -51,6 +52,8 @@ for i in "${!names[@]}"; do run_headline "${names[$i]}" "headline_${names[$i]}.l
 run_headline head headline_head_again.log
 quick_trees=(head)
 [ "${AB_QUICK_ALL:-0}" = 1 ] && quick_trees=("${names[@]}")
+# AB_QUICK_TREES="name ...": the trees (by folder name) whose `--quick` matrix runs, instead.
+[ -n "${AB_QUICK_TREES:-}" ] && read -ra quick_trees <<< "$AB_QUICK_TREES"
 for n in "${quick_trees[@]}"; do
   timeout "${AB_QUICK_TIMEOUT:-200}" "/tmp/jsmla_ab_build_$n/portable_check" --quick > "$out/quick_$n.log" 2>&1 || status=1
   echo "$n --quick: $(grep -cE " PASS" "$out/quick_$n.log") PASS, $(grep -cE " FAIL" "$out/quick_$n.log") FAIL; $(tail -1 "$out/quick_$n.log")"
