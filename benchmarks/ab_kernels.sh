@@ -6,6 +6,7 @@
 # rows side by side with each tree's time relative to the first tree given (the baseline).
 #
 #   bash benchmarks/ab_kernels.sh .ab/base .ab/variant ...   # trees: copies of the repository
+#                                                            # (benchmarks/ab_tree.sh makes them)
 #
 # The working tree runs first and again last, so the table shows how far the clocks drifted. With
 # AB_QUICK_ALL=1 every tree runs the `--quick` matrix (not only the working tree; AB_QUICK_TREES names
