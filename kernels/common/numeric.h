@@ -30,6 +30,9 @@ JSMLA_HD uint32_t float_to_bits(float f) {
 }
 
 JSMLA_HD float bf16_to_float(uint16_t b) { return bits_to_float(static_cast<uint32_t>(b) << 16); }
+// The two BF16 values of a 32-bit word (the low half first in memory): as floats.
+JSMLA_HD float bf16_low_to_float(uint32_t word) { return bits_to_float(word << 16); }
+JSMLA_HD float bf16_high_to_float(uint32_t word) { return bits_to_float(word & 0xffff0000u); }
 
 // Round-to-nearest-even; NaN stays NaN.
 JSMLA_HD uint16_t float_to_bf16(float f) {

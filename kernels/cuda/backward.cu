@@ -419,8 +419,8 @@ __global__ void __launch_bounds__(32 * kRowWarps) cache_sum_kernel(const __grid_
       if (u >= taken) break;
 #pragma unroll
       for (int i = 0; i < kSumWords; ++i) {
-        acc[i][0] += bits_to_float(rows[u][i] << 16);
-        acc[i][1] += bits_to_float(rows[u][i] & 0xffff0000u);
+        acc[i][0] += bf16_low_to_float(rows[u][i]);
+        acc[i][1] += bf16_high_to_float(rows[u][i]);
       }
     }
     k += taken;

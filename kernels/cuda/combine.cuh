@@ -22,6 +22,7 @@
 
 #include <climits>
 
+#include "kernels/common/numeric.h"
 #include "kernels/cuda/combine_shape.h"
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/launch_params.h"
@@ -70,8 +71,8 @@ struct MergeCursor {
 JSMLA_DEVICE uint2 load_partial4(const uint16_t* partial) { return *reinterpret_cast<const uint2*>(partial); }
 // The 4 BF16 values of load_partial4 as floats.
 JSMLA_DEVICE float4 unpack_partial4(uint2 bits) {
-  return make_float4(__uint_as_float(bits.x << 16), __uint_as_float(bits.x & 0xffff0000u),
-                     __uint_as_float(bits.y << 16), __uint_as_float(bits.y & 0xffff0000u));
+  return make_float4(bf16_low_to_float(bits.x), bf16_high_to_float(bits.x), bf16_low_to_float(bits.y),
+                     bf16_high_to_float(bits.y));
 }
 // The same, zeros for a split of weight 0 (its row is never used).
 JSMLA_DEVICE float4 partial_values(uint2 bits, float weight) {
