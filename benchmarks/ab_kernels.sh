@@ -50,7 +50,8 @@ run_headline() {  # name log
   timeout "${AB_TIMEOUT:-150}" "/tmp/jsmla_ab_build_$1/portable_check" "${AB_MODE:---headline}" > "$out/$2" 2>&1 || status=1
 }
 for i in "${!names[@]}"; do run_headline "${names[$i]}" "headline_${names[$i]}.log"; done
-run_headline head headline_head_again.log
+# AB_REPEAT_HEAD=0: no second run of the working tree (the clocks' drift goes unmeasured; saves a run).
+[ "${AB_REPEAT_HEAD:-1}" = 1 ] && run_headline head headline_head_again.log
 quick_trees=(head)
 [ "${AB_QUICK_ALL:-0}" = 1 ] && quick_trees=("${names[@]}")
 # AB_QUICK_TREES="name ...": the trees (by folder name) whose `--quick` matrix runs, instead.
