@@ -8,7 +8,8 @@
 #   bash benchmarks/ab_kernels.sh .ab/base .ab/variant ...   # trees: copies of the repository
 #                                                            # (benchmarks/ab_tree.sh makes them)
 #
-# The working tree runs first and again last, so the table shows how far the clocks drifted. With
+# The working tree runs first and again last, so the table shows how far the clocks drifted
+# (AB_REPEAT_HEAD=0: not again). With
 # AB_QUICK_ALL=1 every tree runs the `--quick` matrix (not only the working tree; AB_QUICK_TREES names
 # the trees that do); with AB_RACECHECK=1
 # every tree's `--sanitize` cases also run under compute-sanitizer racecheck; AB_MODE=--ablate times
@@ -54,7 +55,7 @@ for i in "${!names[@]}"; do run_headline "${names[$i]}" "headline_${names[$i]}.l
 [ "${AB_REPEAT_HEAD:-1}" = 1 ] && run_headline head headline_head_again.log
 quick_trees=(head)
 [ "${AB_QUICK_ALL:-0}" = 1 ] && quick_trees=("${names[@]}")
-# AB_QUICK_TREES="name ...": the trees (by folder name) whose `--quick` matrix runs, instead.
+# AB_QUICK_TREES="name ...": the trees (by folder name) whose `--quick` matrix runs, instead (" ": none).
 [ -n "${AB_QUICK_TREES:-}" ] && read -ra quick_trees <<< "$AB_QUICK_TREES"
 for n in "${quick_trees[@]}"; do
   timeout "${AB_QUICK_TIMEOUT:-200}" "/tmp/jsmla_ab_build_$n/portable_check" --quick > "$out/quick_$n.log" 2>&1 || status=1
