@@ -9,12 +9,10 @@
 #                                                            # (benchmarks/ab_tree.sh makes them)
 #
 # The working tree runs first and again last, so the table shows how far the clocks drifted
-# (AB_REPEAT_HEAD=0: not again). With
-# AB_QUICK_ALL=1 every tree runs the `--quick` matrix (not only the working tree; AB_QUICK_TREES names
-# the trees that do); with AB_RACECHECK=1
-# every tree's `--sanitize` cases also run under compute-sanitizer racecheck; AB_MODE=--ablate times
-# only the dsv3_2 H = 128 rows (for trees that leave a stage of the kernel out). Logs go to
-# $OUT (default /tmp/jsmla_ab).
+# (AB_REPEAT_HEAD=0: not again). AB_QUICK_ALL=1: every tree runs the `--quick` matrix, not only the
+# working tree (AB_QUICK_TREES names the trees that do); AB_RACECHECK=1: every tree's `--sanitize` cases
+# also run under compute-sanitizer racecheck; AB_MODE=--ablate times only the dsv3_2 H = 128 rows (for
+# trees that leave a stage of the kernel out). Logs go to $OUT (default /tmp/jsmla_ab).
 set -uo pipefail
 out=${OUT:-/tmp/jsmla_ab}
 mkdir -p "$out"
@@ -83,9 +81,11 @@ def rows(log):
     except FileNotFoundError:
         pass
     return table
-runs = [(n, rows(f"headline_{n}.log")) for n in names] + [("head again", rows("headline_head_again.log"))]
+runs = [(n, rows(f"headline_{n}.log")) for n in names]
+again = rows("headline_head_again.log")  # none with AB_REPEAT_HEAD=0: no column then
+runs += [("head again", again)] if again else []
 keys = list(runs[0][1]) or [k for _, r in runs for k in r]
-base = runs[1][1] if len(runs) > 2 else runs[0][1]
+base = runs[1][1] if len(names) > 1 else runs[0][1]  # the first tree given, else the working tree
 print("| case | plan | " + " | ".join(n for n, _ in runs) + " |")
 print("|---|---|" + "---|" * len(runs))
 for k in keys:
