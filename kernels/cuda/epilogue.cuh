@@ -29,19 +29,6 @@ JSMLA_DEVICE void rescale_rows(float (&acc)[kCount], const float (&rescale)[2]) 
   }
 }
 
-// How the four lanes of a quad transpose their words in store_row_bf16: 0, rotations by a run-time
-// lane index (four shuffles a group of fragments, each word chosen by a three-way select); 1, two
-// butterfly rounds (four shuffles, twelve selects, every register index a constant: the dsv3_2 64-head
-// instance has 9 832 SASS instructions against 12 424). A compile-time choice until the two are timed
-// side by side (benchmarks/ab_tree.sh sets it).
-#define JSMLA_QUAD_TRANSPOSE_BUTTERFLY 0
-
-// One of four words by a run-time index, without indexing a register array (which would go to local
-// memory).
-JSMLA_DEVICE uint32_t select_word(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3, int k) {
-  return k == 0 ? w0 : k == 1 ? w1 : k == 2 ? w2 : w3;
-}
-
 // One butterfly round of a quad's 4 x 4 word transpose (see store_row_bf16): the lane whose bit `kMask`
 // is set swaps words `lo` of the two pairs (lo, hi) with its partner's words `hi`, the other lane the
 // reverse. Two shuffles and six selects, every register index known at compile time.
@@ -67,10 +54,9 @@ template <int kFragments>
 JSMLA_DEVICE void store_row_bf16(uint16_t* row, const uint32_t (&pairs)[kFragments], int lane) {
   static_assert(kFragments % 4 == 0, "fragments are transposed four at a time");
   const int q = lane % 4;
-  const int quad_first = lane & ~3;
-  const unsigned quad = 0xfu << quad_first;
-#if JSMLA_QUAD_TRANSPOSE_BUTTERFLY
-  // The 2 x 2 blocks of words across lane bit 1, then the words within each block across lane bit 0.
+  const unsigned quad = 0xfu << (lane & ~3);
+  // Two butterfly rounds, every register index a constant: the 2 x 2 blocks of words across lane bit 1,
+  // then the words within each block across lane bit 0.
 #pragma unroll
   for (int g = 0; g < kFragments / 4; ++g) {
     // w[j]: lane q's column pair of fragment 4g + j; after the rounds, lane j's pair of fragment 4g + q
@@ -79,23 +65,6 @@ JSMLA_DEVICE void store_row_bf16(uint16_t* row, const uint32_t (&pairs)[kFragmen
     quad_swap<1, 0, 1, 2, 3>(w, (q & 1) != 0, quad);
     *reinterpret_cast<uint4*>(row + 8 * (4 * g + q)) = make_uint4(w[0], w[1], w[2], w[3]);
   }
-#else
-#pragma unroll
-  for (int g = 0; g < kFragments / 4; ++g) {
-    uint32_t received[4];  // round i: lane (q + i) % 4's pair of fragment 4g + q
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t send = select_word(pairs[4 * g], pairs[4 * g + 1], pairs[4 * g + 2], pairs[4 * g + 3], (q - i) & 3);
-      received[i] = __shfl_sync(quad, send, quad_first | ((q + i) & 3));
-    }
-    // columns 2s, 2s + 1 came from lane s, in round (s - q) % 4
-    const uint4 run = make_uint4(select_word(received[0], received[1], received[2], received[3], (0 - q) & 3),
-                                 select_word(received[0], received[1], received[2], received[3], (1 - q) & 3),
-                                 select_word(received[0], received[1], received[2], received[3], (2 - q) & 3),
-                                 select_word(received[0], received[1], received[2], received[3], (3 - q) & 3));
-    *reinterpret_cast<uint4*>(row + 8 * (4 * g + q)) = run;
-  }
-#endif
 }
 
 // Stores the thread's rows (query heads `heads[0]`, `heads[1]`; heads past H are skipped) of output
