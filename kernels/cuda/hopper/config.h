@@ -9,10 +9,9 @@
 //     buffers (no staging area, so the wider tiles fit);
 //   warpgroup 1, the scorer: S = Q·Kᵀ for all 64 heads and the tile's candidates (wgmma m64n32k16 or
 //     m64n64k16, Q and K from shared memory), the online softmax in registers, P (BF16) into shared
-//     memory with the rows' rescale factors, and O[:, its share of d_v] += P·V (wgmma, P from
-//     registers, V = the same tile read N-major; the share is half of d_v, one m64n256k16 a k16 step,
-//     unless JSMLA_HOPPER_SCORER_COLUMNS below says less);
-//   warpgroup 2: O[:, the rest of d_v] += P·V with P from shared memory, its accumulators rescaled
+//     memory with the rows' rescale factors, and O[:, first half of d_v] += P·V (wgmma m64n256k16, P
+//     from registers, V = the same tile read N-major);
+//   warpgroup 2: O[:, second half of d_v] += P·V with P from shared memory, its accumulators rescaled
 //     by the scorer's factors. Its P·V of tile i overlaps the scorer's S of tile i + 1.
 // Named barriers hand tiles over: full[b] (producer → scorer), p_ready (scorer → warpgroup 2), p_free
 // (warpgroup 2 → scorer, with one P buffer) and empty[b] (both → producer).
@@ -21,12 +20,6 @@
 #include "kernels/common/formats.h"
 #include "kernels/cuda/hopper/config_h16.h"
 #include "kernels/cuda/loader_geometry.h"
-
-// The scorer's share of d_v: the columns of O it accumulates (the second consumer takes the rest). 256
-// halves d_v; 192 or 128 take P·V work off the scorer's chain, whose pace a tile waits on, and free the
-// registers for its P·V in flight beside 64-candidate tiles. A compile-time choice until the shares are
-// timed side by side (benchmarks/ab_tree.sh sets it); arbitrary-scale formats keep halves.
-#define JSMLA_HOPPER_SCORER_COLUMNS 256
 
 namespace jsmla::cuda::hopper {
 
@@ -61,10 +54,12 @@ struct HopperConfig {
   static constexpr int kConsumerGroups = 2;
   static constexpr int kThreads = kProducerThreads + 128 * kConsumerGroups;
   static constexpr int kProducerRegisters = 104;
+  static constexpr int kConsumerRegisters = 200;
   static constexpr int kDqk = kF.d_qk;
   static constexpr int kDv = kF.d_v;
-  static constexpr int kDvPerGroup = kDv / kConsumerGroups;  // half of d_v (the scale groups' unit)
+  static constexpr int kDvPerGroup = kDv / kConsumerGroups;  // wgmma N of P·V
   static constexpr int kKSteps = kDqk / 16;                  // k16 steps of S (all the scorer's)
+  static constexpr int kOutRegisters = kDvPerGroup / 2;      // FP32 accumulators of O per thread
   static constexpr int kAtomBytes = 128;                     // one swizzle row: 64 BF16 values
 
   // The producer's geometry: a round of rows (a tile is kRounds rounds).
@@ -83,29 +78,9 @@ struct HopperConfig {
   static constexpr int kGroupKSteps = kExactScales ? kF.group_size / 16 : 0;   // k16 steps per scale group
   static constexpr int kPVariants = kExactScales ? kDvPerGroup / kF.group_size : 1;
   // The scorer leaves its P·V of tile i in flight behind S of tile i + 1 (its A fragments then live
-  // across the tile) where the registers allow: not beside a 64-candidate tile's scores with half of d_v
-  // (a smaller share frees them), nor beside arbitrary scales (their groups' partial scores take them).
-  static constexpr int kScorerColumns = kExactScales ? kDvPerGroup : JSMLA_HOPPER_SCORER_COLUMNS;
-  static constexpr bool kScorerPVInFlight = !kExactScales && (!kWideTiles || kScorerColumns < kDvPerGroup);
-
-  // Consumer `group`'s columns of O (0: the scorer), from column group_first(group); its FP32 accumulators
-  // per thread. Its P·V is one wgmma a k16 step (N ≤ 256), or two past 256 columns: all but the last
-  // 128, then those.
-  static constexpr int group_columns(int group) { return group == 0 ? kScorerColumns : kDv - kScorerColumns; }
-  static constexpr int group_first(int group) { return group == 0 ? 0 : kScorerColumns; }
-  static constexpr int out_registers(int group) { return group_columns(group) / 2; }
-  static constexpr int pv_chunks(int group) { return group_columns(group) > 256 ? 2 : 1; }
-  static constexpr int chunk_columns(int group, int chunk) {
-    return pv_chunks(group) == 1 ? group_columns(group) : chunk == 0 ? group_columns(group) - 128 : 128;
-  }
-  // Each consumer's registers after setmaxnreg, by the size of its O (the scorer also holds a tile's
-  // scores, 32 a thread beside 64-candidate tiles, and its A fragments of P); with the producer's
-  // kProducerRegisters they add up to the block's.
-  static constexpr int consumer_registers(int group) {
-    if (kScorerColumns == 192) return kWideTiles ? (group == 0 ? 192 : 208) : (group == 0 ? 176 : 224);
-    if (kScorerColumns == 128) return group == 0 ? 168 : 232;
-    return 200;
-  }
+  // across the tile) where the registers allow: not beside a 64-candidate tile's scores.
+  // Nor beside arbitrary scales: their scale groups' partial scores take those registers.
+  static constexpr bool kScorerPVInFlight = !kWideTiles && !kExactScales;
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;
@@ -167,7 +142,7 @@ struct HopperConfig {
   static_assert(hopper_format(kFormat), "format not served by the Hopper family");
   static_assert(kHeadTile == 64, "a head tile is one wgmma M of 64 rows");
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0, "rows must be whole 64-column swizzle blocks");
-  static_assert(kDvPerGroup == 256, "d_v is 512: halves of 256 columns");
+  static_assert(kDvPerGroup == 256, "one m64n256k16 wgmma per k16 step covers a consumer's half of d_v");
   static_assert(kCandidateTile % 16 == 0 && kCandidateTile % 8 == 0, "P·V consumes candidates in k16 steps");
   static_assert(Geometry::kThreadsPerRow * 16 == 64, "a warp stages 8 rows × 64 bytes per cp.async (kPaddedPitch)");
   static_assert(kCandidateTile % kRoundRows == 0 && kRoundRows * 4 == kProducerThreads,
@@ -195,20 +170,14 @@ struct HopperConfig {
   // with (65536 / kThreads per thread, in steps of 8), and an increase waits until decreases have
   // released enough, so asking for more than that total deadlocks.
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static_assert(kProducerThreads * kProducerRegisters + 128 * (consumer_registers(0) + consumer_registers(1)) <=
+  static_assert(kProducerThreads * kProducerRegisters + 128 * kConsumerGroups * kConsumerRegisters <=
                     kThreads * kLaunchRegisters,
                 "register reallocation must fit the registers the block is launched with");
-  static_assert(kProducerRegisters % 8 == 0 && consumer_registers(0) % 8 == 0 && consumer_registers(1) % 8 == 0,
-                "setmaxnreg takes multiples of 8");
-  static_assert(kScorerColumns == 256 || kScorerColumns == 192 || kScorerColumns == 128,
-                "the scorer's share of d_v is one m64n256, m64n192 or m64n128 wgmma");
-  static_assert(!kExactScales || kScorerColumns == kDvPerGroup, "arbitrary scales: P variants per half of d_v");
-  static_assert(chunk_columns(1, 0) % 64 == 0 && chunk_columns(1, 0) <= 256 && group_columns(1) <= 384,
-                "the second consumer's P·V is whole 64-column tile blocks in at most two wgmmas of N ≤ 256");
+  static_assert(kProducerRegisters % 8 == 0 && kConsumerRegisters % 8 == 0, "setmaxnreg takes multiples of 8");
   static_assert(kSharedBytes <= kMaxSharedBytes, "shared memory exceeds the sm_90 per-block limit");
   static_assert(kCandidateTile == 32 || kCandidateTile == 64, "the score accumulators are one m64n32 or m64n64 tile");
   static_assert(!kWideTiles || kDirectTiles, "64-candidate tiles need the shared memory a staging area would take");
-  static_assert(kConsumerGroups == 2, "a scorer and a second P·V warpgroup, sharing d_v");
+  static_assert(kConsumerGroups == 2, "a scorer and a second P·V warpgroup, one half of d_v each");
   static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
 };
 

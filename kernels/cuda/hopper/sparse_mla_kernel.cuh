@@ -12,13 +12,13 @@
 //   gather tile i + 1 straight into that buffer; read the indices of tile i + 2.
 // Scorer, per 32-candidate tile: wait full[b]; issue S = Q·Kᵀ (kDqk/16 wgmmas) behind its P·V of the
 // previous tile, wait for that P·V and arrive empty for the previous buffer, then wait for S; softmax;
-// P and the rows' rescale factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, its share]
+// P and the rows' rescale factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half]
 // += P·V (2 wgmmas, left in flight into the next tile; arbitrary scales: S in stages per scale group,
 // and P·V waited for in the tile, config.h). Per 64-candidate tile (whose 32 scores a
-// thread holds leave no registers for a P·V in flight beside half of d_v): wait full[b]; S, wait;
-// softmax; wait p_free (warpgroup 2 is done with the one P buffer); P and the factors; arrive p_ready;
-// P·V (4 wgmmas), wait, arrive empty[b] (with a smaller share the P·V is left in flight as above).
-// Warpgroup 2, per tile: wait p_ready[b]; rescale; O[:, the rest] += P·V (P from shared memory);
+// thread holds leave no registers for a P·V in flight): wait full[b]; S, wait; softmax; wait p_free
+// (warpgroup 2 is done with the one P buffer); P and the factors; arrive p_ready; P·V (4 wgmmas),
+// wait, arrive empty[b].
+// Warpgroup 2, per tile: wait p_ready[b]; rescale; O[:, second half] += P·V (P from shared memory);
 // arrive empty[b] (and p_free with one P buffer). The MMAs of tile i overlap the conversion of tile
 // i + 1 and the gather of tile i + 2 (staged rows), or the gather of tile i + 1 (BF16 rows); warpgroup
 // 2's P·V of tile i overlaps the scorer's S of tile i + 1 (32-candidate tiles).
@@ -176,11 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   }
 
   // -------------------------------------------------------------------- consumer warpgroups
-  // One register increase for both consumers when their shares of d_v are equal; otherwise each raises
-  // its own at the top of its code (code reached after two different values would be allocated within
-  // the smaller).
-  constexpr bool kEvenShares = Cfg::consumer_registers(0) == Cfg::consumer_registers(1);
-  if constexpr (kEvenShares) increase_registers<Cfg::consumer_registers(0)>();
+  increase_registers<Cfg::kConsumerRegisters>();
   const int consumer_thread = threadIdx.x - Cfg::kProducerThreads;  // 0 .. 255
   const int warp = (consumer_thread % 128) / 32;                    // 16 head rows each
   const int lane = threadIdx.x % 32;
@@ -195,7 +191,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
   }
 
-  // The rest runs with the consumer's share of d_v as a compile-time constant: every shared-memory
+  // The rest runs with the consumer's half of d_v as a compile-time constant: every shared-memory
   // descriptor is then a warp-uniform base plus constants, computed in uniform registers.
   float* const row_rescale = reinterpret_cast<float*>(smem + Cfg::kRescaleOffset);  // [kPBuffers][kHeadTile]
   float* const final_state = reinterpret_cast<float*>(smem + Cfg::kFinalOffset);    // [max, sum][kHeadTile]
@@ -222,40 +218,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int rows[2] = {16 * warp + lane / 4, 16 * warp + lane / 4 + 8};  // this thread's head rows
   auto consume = [&](auto group_constant) {
     constexpr int group = decltype(group_constant)::value;  // 0: the scorer
-    if constexpr (!kEvenShares) increase_registers<Cfg::consumer_registers(group)>();
     RunningSoftmax softmax;                                 // the scorer's; warpgroup 2 gets the result
-    constexpr int kOutRegisters = Cfg::out_registers(group);
-    float out_acc[kOutRegisters];
+    float out_acc[Cfg::kOutRegisters];
 #pragma unroll
-    for (int i = 0; i < kOutRegisters; ++i) out_acc[i] = 0.0f;
+    for (int i = 0; i < Cfg::kOutRegisters; ++i) out_acc[i] = 0.0f;
     constexpr int kV = Cfg::kPVariants;
     constexpr int kVariantBlocks = Cfg::kDvPerGroup / kV / 64;  // 64-column tile blocks per P variant
-    constexpr int kVariantRegisters = kOutRegisters / kV;       // accumulators per P variant
+    constexpr int kVariantRegisters = Cfg::kOutRegisters / kV;  // accumulators per P variant
     // The accumulators of variant v: columns [v, v + 1) · 256 / kV of this consumer's half.
     auto variant_acc = [&](int v) -> float (&)[kVariantRegisters] {
       return *reinterpret_cast<float(*)[kVariantRegisters]>(out_acc + v * kVariantRegisters);
     };
-    // The accumulators of P·V chunk c (columns [first, first + chunk_columns(group, c)) of this share).
-    auto chunk_acc = [&](auto chunk_constant) -> float (&)[Cfg::chunk_columns(group, decltype(chunk_constant)::value) / 2] {
-      constexpr int c = decltype(chunk_constant)::value;
-      return *reinterpret_cast<float(*)[Cfg::chunk_columns(group, c) / 2]>(out_acc + c * Cfg::chunk_columns(group, 0) / 2);
-    };
-    auto pv_rs = [&](int v, const uint32_t (&p)[4], SmemDescriptor vd) {  // the scorer's
-      if constexpr (group == 0) {
-        if constexpr (kV == 1) {
-          static_assert(Cfg::pv_chunks(0) == 1, "the scorer's P·V is one wgmma a k16 step");
-          wgmma_pv_rs(out_acc, p, vd);
-        } else {
-          static_assert(kV == 2, "P·V runs as one m64n256 or two m64n128 wgmmas per k16 step");
-          wgmma_m64n128k16_rs(variant_acc(v), p, vd);
-        }
+    auto pv_rs = [&](int v, const uint32_t (&p)[4], SmemDescriptor vd) {
+      if constexpr (kV == 1) {
+        wgmma_m64n256k16_rs(out_acc, p, vd);
+      } else {
+        static_assert(kV == 2, "P·V runs as one m64n256 or two m64n128 wgmmas per k16 step");
+        wgmma_m64n128k16_rs(variant_acc(v), p, vd);
       }
     };
     auto pv_ss = [&](int v, SmemDescriptor pd, SmemDescriptor vd) {
       if constexpr (kV == 1) {
-        static_for<Cfg::pv_chunks(group)>([&](auto chunk) {
-          wgmma_pv_ss(chunk_acc(chunk), pd, vd.offset(decltype(chunk)::value * Cfg::chunk_columns(group, 0) / 64 * Cfg::kTileBlockBytes));
-        });
+        wgmma_m64n256k16_ss(out_acc, pd, vd);
       } else {
         wgmma_m64n128k16_ss(variant_acc(v), pd, vd);
       }
@@ -283,7 +267,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         const int pb = i & (Cfg::kPBuffers - 1);  // P buffer, p_ready barrier, rescale factors
         const uint8_t* const tile = tile_buffer(b);
         const SmemDescriptor v_descriptor = smem_descriptor(
-            tile + Cfg::group_first(group) / 64 * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
+            tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
         if constexpr (group == 0) {
           named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
           // S = Q·Kᵀ, kDqk / 16 k-steps.
@@ -456,7 +440,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       }
     }
 
-    // ---- epilogue: rows of this thread, columns of this consumer's share ----
+    // ---- epilogue: rows of this thread, columns of this consumer's half ----
     if constexpr (group == 0) {
       softmax.finish();
       if (lane % 4 == 0) {
@@ -476,7 +460,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       }
     }
     store_rows<Cfg::kDv>(p, token, coordinates.split, {head_begin + rows[0], head_begin + rows[1]},
-                         Cfg::group_first(group) + 2 * (lane % 4), group == 0 && lane % 4 == 0, softmax, out_acc);
+                         group * Cfg::kDvPerGroup + 2 * (lane % 4), group == 0 && lane % 4 == 0, softmax, out_acc);
   };
   if (consumer_thread < Cfg::kScorerThreads) {
     consume(std::integral_constant<int, 0>{});

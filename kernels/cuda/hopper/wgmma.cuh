@@ -220,59 +220,11 @@ JSMLA_DEVICE void wgmma_m64n128k16_ss(float (&d)[64], SmemDescriptor a, SmemDesc
       : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(1));
 }
 
-// The accumulator registers 64..95 of an m64n192 wgmma (96 a thread).
-#define JSMLA_WGMMA_REGISTERS_64_95 \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
-
-// d[64x192] += A[64x16] · B[16x192]: A in registers, B in shared memory MN-major (the scorer's P·V with
-// a 192-column share of d_v).
-JSMLA_DEVICE void wgmma_m64n192k16_rs(float (&d)[96], const uint32_t (&a)[4], SmemDescriptor b) {
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %102, 0;\nmov.b64 db, {%100, %101};\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" JSMLA_WGMMA_REGISTERS_0_63 ", " JSMLA_WGMMA_REGISTERS_64_95
-      "}, {%96, %97, %98, %99}, db, p, 1, 1, 1;\n}\n"
-      : JSMLA_WGMMA_D64_AT(d, 0), JSMLA_WGMMA_D8(d, 64), JSMLA_WGMMA_D8(d, 72), JSMLA_WGMMA_D8(d, 80), JSMLA_WGMMA_D8(d, 88)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.lo), "r"(b.hi), "r"(1));
-}
-
-// d[64x192] += A[64x16] · B[16x192]: A in shared memory K-major, B in shared memory MN-major.
-JSMLA_DEVICE void wgmma_m64n192k16_ss(float (&d)[96], SmemDescriptor a, SmemDescriptor b) {
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %100, 0;\nmov.b64 da, {%96, %97};\nmov.b64 db, {%98, %99};\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" JSMLA_WGMMA_REGISTERS_0_63 ", " JSMLA_WGMMA_REGISTERS_64_95
-      "}, da, db, p, 1, 1, 0, 1;\n}\n"
-      : JSMLA_WGMMA_D64_AT(d, 0), JSMLA_WGMMA_D8(d, 64), JSMLA_WGMMA_D8(d, 72), JSMLA_WGMMA_D8(d, 80), JSMLA_WGMMA_D8(d, 88)
-      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(1));
-}
-
-// P·V into the accumulators of N = 2 kCount columns (256, 192 or 128): P as A in registers (rs) or in
-// shared memory K-major (ss), V in shared memory MN-major.
-template <int kCount>
-JSMLA_DEVICE void wgmma_pv_rs(float (&d)[kCount], const uint32_t (&a)[4], SmemDescriptor b) {
-  static_assert(kCount == 128 || kCount == 96 || kCount == 64, "N = 256, 192 or 128 columns");
-  if constexpr (kCount == 128) {
-    wgmma_m64n256k16_rs(d, a, b);
-  } else if constexpr (kCount == 96) {
-    wgmma_m64n192k16_rs(d, a, b);
-  } else {
-    wgmma_m64n128k16_rs(d, a, b);
-  }
-}
-template <int kCount>
-JSMLA_DEVICE void wgmma_pv_ss(float (&d)[kCount], SmemDescriptor a, SmemDescriptor b) {
-  static_assert(kCount == 128 || kCount == 96 || kCount == 64, "N = 256, 192 or 128 columns");
-  if constexpr (kCount == 128) {
-    wgmma_m64n256k16_ss(d, a, b);
-  } else if constexpr (kCount == 96) {
-    wgmma_m64n192k16_ss(d, a, b);
-  } else {
-    wgmma_m64n128k16_ss(d, a, b);
-  }
-}
-
 // d[64xN] (+)= A[64x16] · B[16xN] with both operands in shared memory MN-major (transposed: A's 64 rows
 // and B's N columns contiguous, 128-byte swizzled), BF16 in, FP32 accumulators; N = 128 or 192 (64 or 96
 // accumulators a thread). The cache gradient's partial rows (backward/partials_wgmma.cuh).
+#define JSMLA_WGMMA_REGISTERS_64_95 \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
 JSMLA_DEVICE void wgmma_m64n192k16_ss_mn(float (&d)[96], SmemDescriptor a, SmemDescriptor b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %100, 0;\nmov.b64 da, {%96, %97};\nmov.b64 db, {%98, %99};\n"
