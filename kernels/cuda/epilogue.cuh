@@ -29,19 +29,23 @@ JSMLA_DEVICE void rescale_rows(float (&acc)[kCount], const float (&rescale)[2]) 
   }
 }
 
-// One butterfly round of a quad's 4 x 4 word transpose (see store_row_bf16): the lane whose bit `kMask`
-// is set swaps words `lo` of the two pairs (lo, hi) with its partner's words `hi`, the other lane the
-// reverse. Two shuffles and six selects, every register index known at compile time.
-template <int kMask, int kLo0, int kHi0, int kLo1, int kHi1>
+// One butterfly round of a quad's 4 x 4 word transpose (see store_row_bf16), across lane bit kMask: for
+// each pair of words (j, j | kMask), the lane whose bit is set swaps its word j with its partner's word
+// j | kMask. Two shuffles and six selects, every register index known at compile time.
+template <int kMask>
 JSMLA_DEVICE void quad_swap(uint32_t (&w)[4], bool bit, unsigned quad) {
-  const uint32_t send0 = bit ? w[kLo0] : w[kHi0];
-  const uint32_t send1 = bit ? w[kLo1] : w[kHi1];
-  const uint32_t got0 = __shfl_xor_sync(quad, send0, kMask);
-  const uint32_t got1 = __shfl_xor_sync(quad, send1, kMask);
-  w[kLo0] = bit ? got0 : w[kLo0];
-  w[kHi0] = bit ? w[kHi0] : got0;
-  w[kLo1] = bit ? got1 : w[kLo1];
-  w[kHi1] = bit ? w[kHi1] : got1;
+  static_assert(kMask == 1 || kMask == 2, "a quad's lanes differ in bits 0 and 1");
+  constexpr int kLo[2] = {0, kMask == 1 ? 2 : 1};  // the pairs' first words (bit kMask clear)
+  uint32_t got[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) got[k] = bit ? w[kLo[k]] : w[kLo[k] | kMask];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) got[k] = __shfl_xor_sync(quad, got[k], kMask);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    w[kLo[k]] = bit ? got[k] : w[kLo[k]];
+    w[kLo[k] | kMask] = bit ? w[kLo[k] | kMask] : got[k];
+  }
 }
 
 // Stores one accumulator row as BF16: `pairs[j]` is this thread's columns 8j + 2q, + 1 (q = lane % 4) of
@@ -61,8 +65,8 @@ JSMLA_DEVICE void store_row_bf16(uint16_t* row, const uint32_t (&pairs)[kFragmen
   for (int g = 0; g < kFragments / 4; ++g) {
     // w[j]: lane q's column pair of fragment 4g + j; after the rounds, lane j's pair of fragment 4g + q
     uint32_t w[4] = {pairs[4 * g], pairs[4 * g + 1], pairs[4 * g + 2], pairs[4 * g + 3]};
-    quad_swap<2, 0, 2, 1, 3>(w, (q & 2) != 0, quad);
-    quad_swap<1, 0, 1, 2, 3>(w, (q & 1) != 0, quad);
+    quad_swap<2>(w, (q & 2) != 0, quad);
+    quad_swap<1>(w, (q & 1) != 0, quad);
     *reinterpret_cast<uint4*>(row + 8 * (4 * g + q)) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
