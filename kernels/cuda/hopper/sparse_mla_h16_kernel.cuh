@@ -24,11 +24,6 @@
 #include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/softmax_merge.cuh"
 
-// How the 16-head tile stores a split's partial rows: 0, 4 values an 8-byte store (its final output
-// goes in 16-byte runs); 1, both in one loop of 16-byte runs. A compile-time choice until the two are
-// timed side by side (benchmarks/ab_tree.sh sets it).
-#define JSMLA_H16_PARTIAL_STORE_16B 0
-
 namespace jsmla::cuda::hopper {
 
 template <class Cfg>
@@ -272,7 +267,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   named_barrier_sync(Cfg::kConsumerBarrier, Cfg::kConsumerThreads);
   const int heads = min(kH, num_heads - head_begin);
-#if JSMLA_H16_PARTIAL_STORE_16B
   // BF16 rows in 16-byte runs (8 values a store), into out or into this split's partial rows.
   constexpr int kChunks = Cfg::kDv / 8;
   for (int c = consumer_thread; c < heads * kChunks; c += Cfg::kConsumerThreads) {
@@ -287,29 +281,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     *reinterpret_cast<uint4*>(row + d) =
         make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w), pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
   }
-#else
-  if (write_final) {
-    constexpr int kChunks = Cfg::kDv / 8;  // 8 BF16 values a 16-byte store
-    for (int c = consumer_thread; c < heads * kChunks; c += Cfg::kConsumerThreads) {
-      const int h = c / kChunks;
-      const int d = (c % kChunks) * 8;
-      const float4 x = *reinterpret_cast<const float4*>(out_rows + h * Cfg::kOutPitch + d);
-      const float4 y = *reinterpret_cast<const float4*>(out_rows + h * Cfg::kOutPitch + d + 4);
-      *reinterpret_cast<uint4*>(a.out + (token * num_heads + head_begin + h) * Cfg::kDv + d) =
-          make_uint4(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w), pack_bf16x2(y.x, y.y), pack_bf16x2(y.z, y.w));
-    }
-  } else {
-    constexpr int kChunks = Cfg::kDv / 4;  // 4 values an 8-byte store
-    for (int c = consumer_thread; c < heads * kChunks; c += Cfg::kConsumerThreads) {
-      const int h = c / kChunks;
-      const int d = (c % kChunks) * 4;
-      const int64_t row = SplitWorkspace::row(coordinates.split, token, head_begin + h, a.num_tokens, num_heads);
-      const float4 x = *reinterpret_cast<const float4*>(out_rows + h * Cfg::kOutPitch + d);
-      *reinterpret_cast<uint2*>(p.workspace.partial_out + row * Cfg::kDv + d) =
-          make_uint2(pack_bf16x2(x.x, x.y), pack_bf16x2(x.z, x.w));
-    }
-  }
-#endif
   if (warp == 0 && lane < 4) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
