@@ -6,7 +6,12 @@
 //    partial (an arrival counter in global memory, reset by the merging block so that replays start
 //    from zero) merges the tile's rows over every split in the combine's summation order, its own
 //    split's rows from shared memory (where the split kernel's epilogue can stage them) and the
-//    others' from the workspace.
+//    others' from the workspace;
+//  * grid: the merge spread over the whole grid of that kernel, launched cooperatively (every block
+//    resident at once): each block stores its partial rows and arrives at a grid-wide barrier (a
+//    64-bit counter that only grows, by the grid's block count each launch, so it needs no reset),
+//    then every warp merges (row, 128-column slice) items in the combine's summation order ("barrier":
+//    the store and the barrier without the merge).
 // The storing kernel stands in for the split kernel's epilogue: every block copies its (split, token,
 // head tile) partial rows and lse values from a source buffer into the workspace, as the split kernel
 // stores them from registers, so the two variants differ in the merge only ("arrive": the fused
@@ -16,7 +21,7 @@
 // Build and run from the repository root (sm_90a):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -arch=sm_90a kernels/cuda/tests/fused_merge_probe.cu \
 //       kernels/cuda/combine.cu -o /tmp/fused_merge_probe && /tmp/fused_merge_probe
-// Exit status 0 when every case's fused output equals the separate one bit for bit.
+// Exit status 0 when every case's fused and grid outputs equal the separate one bit for bit.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -205,6 +210,106 @@ __global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __gri
   }
 }
 
+// Grid-wide barrier of a cooperative launch. The counter grows by the grid's block count each launch,
+// so a block's arrival value tells which launch it belongs to: the barrier is complete when the counter
+// reaches the next multiple of the block count (no reset, replays keep counting; 64 bits never wrap).
+__device__ void grid_barrier(unsigned long long* counter) {
+  __syncthreads();  // the block's stores before thread 0's fence and arrival
+  if (threadIdx.x == 0) {
+    const unsigned long long blocks = static_cast<unsigned long long>(gridDim.x) * gridDim.y;
+    __threadfence();
+    const unsigned long long arrived = atomicAdd(counter, 1ull);
+    const unsigned long long target = (arrived / blocks + 1) * blocks;
+    unsigned long long seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(seen) : "l"(counter) : "memory");
+    } while (seen < target);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Block (split, tile) stores its partial rows (as store_partials_kernel), every block meets at the
+// grid barrier, then warp w of the grid merges items w, w + warps, ... where item = row * 4 + slice
+// (a 128-column slice of a (token, head) row; a lane holds 4 columns). All of a lane's kMaxSplits
+// partial loads are issued before the lse reduction. Summation order and lse reduction as the combine
+// (combine.cuh): merge group g = s % 8 summed from zero in split order, the groups in order; the lse
+// sum as warp trees over splits [0, 32) and [32, 64), added in order.
+template <int kMaxSplits>
+__global__ void __launch_bounds__(kThreads, 1) grid_merge_kernel(const __grid_constant__ ProbeParams p,
+                                                                 unsigned long long* counter) {
+  static_assert(kMaxSplits <= 64, "a lane holds the lse of splits lane and lane + 32");
+  constexpr int kSlices = kDv / 128;
+  const int split = blockIdx.x;
+  const int tile = blockIdx.y;
+  const int tiles_per_token = p.num_heads / p.head_tile;
+  {
+    const int token = tile / tiles_per_token;
+    const int head_begin = (tile % tiles_per_token) * p.head_tile;
+    const int vectors = p.head_tile * kDv / 4;
+    const int64_t first_row = SplitWorkspace::row(split, token, head_begin, p.num_tokens, p.num_heads);
+    const uint16_t* const source = p.source_out + first_row * kDv;
+    uint2* const target = reinterpret_cast<uint2*>(p.workspace.partial_out + first_row * kDv);
+    for (int v = threadIdx.x; v < vectors; v += kThreads) target[v] = *reinterpret_cast<const uint2*>(source + 4 * v);
+    if (threadIdx.x < p.head_tile) p.workspace.partial_lse[first_row + threadIdx.x] = p.source_lse[first_row + threadIdx.x];
+  }
+  grid_barrier(counter);
+  if (!p.merge) return;
+
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * gridDim.y * (kThreads / 32);
+  const int items = p.num_tokens * p.num_heads * kSlices;
+  for (int item = (blockIdx.y * gridDim.x + blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; item < items;
+       item += warps) {
+    const int64_t row = item / kSlices;
+    const int token = static_cast<int>(row / p.num_heads);
+    const int head = static_cast<int>(row % p.num_heads);
+    const int column = (item % kSlices) * 128 + 4 * lane;
+    uint2 part[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      part[s] = s < p.num_splits
+                    ? __ldcg(reinterpret_cast<const uint2*>(
+                          p.workspace.partial_out + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv + column))
+                    : make_uint2(0u, 0u);
+    }
+    auto split_lse = [&](int s) {
+      return s < p.num_splits ? __ldcg(p.workspace.partial_lse + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads))
+                              : -INFINITY;
+    };
+    const float lse0 = split_lse(lane);
+    const float lse1 = kMaxSplits > 32 ? split_lse(lane + 32) : -INFINITY;
+    const float max_lse = fmaxf(warp_max(lse0), warp_max(lse1));
+    float sum = warp_sum(max_lse != -INFINITY && lane < p.num_splits ? expf(lse0 - max_lse) : 0.0f);
+    if (p.num_splits > 32) sum += warp_sum(max_lse != -INFINITY && lane + 32 < p.num_splits ? expf(lse1 - max_lse) : 0.0f);
+    const float splits_lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
+    const float lse = lse_with_sink(splits_lse, -INFINITY);
+    const float weight0 = state_weight(lse0, lse), weight1 = state_weight(lse1, lse);
+    float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int g = 0; g < kMergeGroups; ++g) {
+      float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int s = g; s < kMaxSplits; s += kMergeGroups) {
+        const float weight = __shfl_sync(0xffffffffu, s < 32 ? weight0 : weight1, s % 32);
+        if (s < p.num_splits) {
+          const float4 value = partial_values(part[s], weight);
+          acc = make_float4(fmaf(weight, value.x, acc.x), fmaf(weight, value.y, acc.y), fmaf(weight, value.z, acc.z),
+                            fmaf(weight, value.w, acc.w));
+        }
+      }
+      if (g == 0) {
+        total = acc;
+      } else {
+        add_float4(total, acc);
+      }
+    }
+    *reinterpret_cast<uint2*>(p.out + row * kDv + column) =
+        make_uint2(pack_bf16x2(total.x, total.y), pack_bf16x2(total.z, total.w));
+    if (column == 0) p.lse[row] = lse;
+  }
+}
+
 struct Case {
   int num_tokens, num_heads, head_tile, num_splits;
 };
@@ -222,7 +327,7 @@ int main() {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, sm_count);
-  const Case cases[] = {{1, 128, 64, 16}, {1, 128, 64, 32}, {1, 128, 64, 64}, {2, 128, 64, 16},
+  const Case cases[] = {{1, 128, 64, 16}, {1, 128, 64, 32}, {1, 128, 64, 64}, {1, 128, 16, 16}, {2, 128, 64, 16},
                         {4, 128, 64, 8},  {1, 16, 16, 32},  {1, 16, 16, 64},  {8, 16, 16, 8},
                         {16, 128, 64, 4}, {32, 128, 64, 2}, {64, 16, 16, 2},  {32, 16, 16, 4}};
   cudaStream_t stream;
@@ -233,8 +338,8 @@ int main() {
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
   bool all_equal = true;
-  std::printf("%-26s %12s %12s %12s %12s %12s %10s\n", "case (T, H, tile, splits)", "store us", "+combine us",
-              "arrive us", "fused us", "fused/sep", "bits");
+  std::printf("%-26s %10s %11s %10s %10s %10s %10s %10s %9s %8s\n", "case (T, H, tile, splits)", "store us",
+              "+combine us", "arrive us", "fused us", "fused/sep", "barrier us", "grid us", "grid/sep", "bits");
   for (const Case& c : cases) {
     if (c.head_tile > 64 || c.num_splits > kMaxSplits || c.num_heads % c.head_tile != 0) {
       std::fprintf(stderr, "case outside the fused block's tables (64 rows, %d splits)\n", kMaxSplits);
@@ -257,6 +362,7 @@ int main() {
     void* workspace;
     uint16_t *out_sep, *out_fused;
     unsigned* arrivals;
+    unsigned long long* grid_counter;
     const int tiles = c.num_tokens * c.num_heads / c.head_tile;
     CHECK_CUDA(cudaMalloc(&source_out, rows * kDv * sizeof(uint16_t)));
     CHECK_CUDA(cudaMalloc(&source_lse, rows * sizeof(float)));
@@ -267,6 +373,12 @@ int main() {
     CHECK_CUDA(cudaMalloc(&lse_fused, int64_t{c.num_tokens} * c.num_heads * 4));
     CHECK_CUDA(cudaMalloc(&arrivals, tiles * sizeof(unsigned)));
     CHECK_CUDA(cudaMemset(arrivals, 0, tiles * sizeof(unsigned)));
+    CHECK_CUDA(cudaMalloc(&grid_counter, sizeof(unsigned long long)));
+    CHECK_CUDA(cudaMemset(grid_counter, 0, sizeof(unsigned long long)));
+    uint16_t* out_grid;
+    float* lse_grid;
+    CHECK_CUDA(cudaMalloc(&out_grid, int64_t{c.num_tokens} * c.num_heads * kDv * 2));
+    CHECK_CUDA(cudaMalloc(&lse_grid, int64_t{c.num_tokens} * c.num_heads * 4));
     CHECK_CUDA(cudaMemcpy(source_out, host_bits.data(), rows * kDv * sizeof(uint16_t), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(source_lse, host_lse.data(), rows * sizeof(float), cudaMemcpyHostToDevice));
 
@@ -301,16 +413,45 @@ int main() {
     pa.merge = false;
     auto arrive_only = [&]() { store_partials_kernel<true><<<grid, kThreads, sizeof(FusedShared), stream>>>(pa); };
 
-    std::vector<float> t_store, t_separate, t_fused, t_arrive;
+    // The grid variant: cooperative launches (every block resident), the smallest instance that holds
+    // the case's splits.
+    ProbeParams pg = p;
+    pg.out = out_grid;
+    pg.lse = lse_grid;
+    pg.merge = true;
+    ProbeParams pb = pg;
+    pb.merge = false;
+    auto grid_kernel = [&]() -> const void* {
+      if (c.num_splits <= 8) return reinterpret_cast<const void*>(grid_merge_kernel<8>);
+      if (c.num_splits <= 16) return reinterpret_cast<const void*>(grid_merge_kernel<16>);
+      if (c.num_splits <= 32) return reinterpret_cast<const void*>(grid_merge_kernel<32>);
+      return reinterpret_cast<const void*>(grid_merge_kernel<64>);
+    }();
+    int resident = 0;
+    CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, grid_kernel, kThreads, 0));
+    if (int64_t{resident} * sm_count < int64_t{grid.x} * grid.y) {
+      std::fprintf(stderr, "grid of %u blocks exceeds the %d resident blocks\n", grid.x * grid.y, resident * sm_count);
+      return 2;
+    }
+    auto cooperative = [&](ProbeParams& params) {
+      void* args[] = {&params, &grid_counter};
+      CHECK_CUDA(cudaLaunchCooperativeKernel(grid_kernel, grid, dim3(kThreads), args, 0, stream));
+    };
+    auto grid_merge = [&]() { cooperative(pg); };
+    auto barrier_only = [&]() { cooperative(pb); };
+
+    std::vector<float> t_store, t_separate, t_fused, t_arrive, t_barrier, t_grid;
     for (int rep = 0; rep < 330; ++rep) {
       const bool keep = rep >= 30;
       int variant = 0;
-      for (auto* launch : {&t_store, &t_separate, &t_arrive, &t_fused}) {
+      for (auto* launch : {&t_store, &t_separate, &t_arrive, &t_fused, &t_barrier, &t_grid}) {
         CHECK_CUDA(cudaEventRecord(e0, stream));
         if (variant == 0) store_only();
         if (variant == 1) separate();
         if (variant == 2) arrive_only();
         if (variant == 3) fused();
+        if (variant == 4) barrier_only();
+        if (variant == 5) grid_merge();
         CHECK_CUDA(cudaEventRecord(e1, stream));
         CHECK_CUDA(cudaEventSynchronize(e1));
         float ms = 0.0f;
@@ -321,12 +462,28 @@ int main() {
     }
     CHECK_CUDA(cudaGetLastError());
     const int64_t out_count = int64_t{c.num_tokens} * c.num_heads * kDv;
-    std::vector<uint16_t> a(out_count), b(out_count);
-    std::vector<float> la(c.num_tokens * c.num_heads), lb(c.num_tokens * c.num_heads);
+    std::vector<uint16_t> a(out_count), b(out_count), g(out_count);
+    std::vector<float> la(c.num_tokens * c.num_heads), lb(c.num_tokens * c.num_heads), lg(c.num_tokens * c.num_heads);
     CHECK_CUDA(cudaMemcpy(a.data(), out_sep, out_count * 2, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(b.data(), out_fused, out_count * 2, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(la.data(), lse_sep, la.size() * 4, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(lb.data(), lse_fused, lb.size() * 4, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(g.data(), out_grid, out_count * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(lg.data(), lse_grid, lg.size() * 4, cudaMemcpyDeviceToHost));
+    unsigned long long grid_count = 0;
+    CHECK_CUDA(cudaMemcpy(&grid_count, grid_counter, sizeof grid_count, cudaMemcpyDeviceToHost));
+    const unsigned long long grid_launches = 2 * 330;  // barrier and grid variants, warm-up included
+    const bool grid_equal = std::memcmp(a.data(), g.data(), out_count * 2) == 0 &&
+                            std::memcmp(la.data(), lg.data(), la.size() * 4) == 0 &&
+                            grid_count == grid_launches * grid.x * grid.y;
+    if (!grid_equal) {
+      int64_t differ = 0, lse_differ = 0;
+      for (int64_t i = 0; i < out_count; ++i) differ += a[i] != g[i];
+      for (size_t i = 0; i < la.size(); ++i) lse_differ += std::memcmp(&la[i], &lg[i], 4) != 0;
+      std::printf("grid variant: %lld of %lld values and %lld lse differ; counter %llu, expected %llu\n",
+                  static_cast<long long>(differ), static_cast<long long>(out_count), static_cast<long long>(lse_differ),
+                  grid_count, grid_launches * grid.x * grid.y);
+    }
     std::vector<unsigned> counters(tiles);
     CHECK_CUDA(cudaMemcpy(counters.data(), arrivals, tiles * sizeof(unsigned), cudaMemcpyDeviceToHost));
     const bool equal = std::memcmp(a.data(), b.data(), out_count * 2) == 0 &&
@@ -354,12 +511,14 @@ int main() {
       }
     }
     const bool close = max_error < 1e-2;  // bf16 rounding of the output
-    all_equal = all_equal && equal && close;
+    all_equal = all_equal && equal && close && grid_equal;
     char label[64];
     std::snprintf(label, sizeof label, "T=%d H=%d tile=%d S=%d", c.num_tokens, c.num_heads, c.head_tile, c.num_splits);
     const float ts = median(t_store), tsep = median(t_separate), tf = median(t_fused), ta = median(t_arrive);
-    std::printf("%-26s %12.2f %12.2f %12.2f %12.2f %12.2f %10s  (fused merge tail %.2f us, combine %.2f us; ref err %.1e)\n",
-                label, ts, tsep, ta, tf, tf / tsep, equal ? (close ? "equal" : "BAD-REF") : "DIFFER", tf - ts, tsep - ts,
+    const float tb = median(t_barrier), tg = median(t_grid);
+    std::printf("%-26s %10.2f %11.2f %10.2f %10.2f %10.2f %10.2f %10.2f %9.2f %8s  (combine %.2f us, grid merge %.2f us; ref err %.1e)\n",
+                label, ts, tsep, ta, tf, tf / tsep, tb, tg, tg / tsep,
+                equal && grid_equal ? (close ? "equal" : "BAD-REF") : (equal ? "GRID-DIFF" : "DIFFER"), tsep - ts, tg - ts,
                 max_error);
     cudaFree(source_out);
     cudaFree(source_lse);
@@ -369,6 +528,9 @@ int main() {
     cudaFree(lse_sep);
     cudaFree(lse_fused);
     cudaFree(arrivals);
+    cudaFree(grid_counter);
+    cudaFree(out_grid);
+    cudaFree(lse_grid);
   }
   std::printf("%s\n", all_equal ? "fused_merge_probe: PASS" : "fused_merge_probe: FAIL");
   return all_equal ? 0 : 1;
