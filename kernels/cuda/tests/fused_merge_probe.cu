@@ -94,11 +94,9 @@ struct FusedShared {
 // reductions: lse max; exp sums as 8 warp sums in order), then the sums (split s in merge group
 // s % 8, a group's splits in order from zero, the groups in order) over kBatch of a thread's float4
 // columns at a time, the batch's loads of a split all in flight.
-template <bool kFused>
-__global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __grid_constant__ ProbeParams p) {
-  if constexpr (!kFused) allow_dependent_launch();
-  extern __shared__ __align__(16) uint8_t shared_raw[];
-  FusedShared& sh = *reinterpret_cast<FusedShared*>(shared_raw);
+// The split epilogue's stand-in: block (split = blockIdx.x, tile = blockIdx.y) copies its partial rows
+// and lse values from the source into the workspace; `own` (when given) receives its rows as floats.
+__device__ void store_block_partials(const ProbeParams& p, float4* own) {
   const int split = blockIdx.x;
   const int tile = blockIdx.y;
   const int tiles_per_token = p.num_heads / p.head_tile;
@@ -111,9 +109,23 @@ __global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __gri
   for (int v = threadIdx.x; v < vectors; v += kThreads) {
     const uint2 x = *reinterpret_cast<const uint2*>(source + 4 * v);
     target[v] = x;
-    if constexpr (kFused) sh.own[v] = unpack_partial4(x);
+    if (own != nullptr) own[v] = unpack_partial4(x);
   }
   if (threadIdx.x < p.head_tile) p.workspace.partial_lse[first_row + threadIdx.x] = p.source_lse[first_row + threadIdx.x];
+}
+
+template <bool kFused>
+__global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __grid_constant__ ProbeParams p) {
+  if constexpr (!kFused) allow_dependent_launch();
+  extern __shared__ __align__(16) uint8_t shared_raw[];
+  FusedShared& sh = *reinterpret_cast<FusedShared*>(shared_raw);
+  const int split = blockIdx.x;
+  const int tile = blockIdx.y;
+  const int tiles_per_token = p.num_heads / p.head_tile;
+  const int token = tile / tiles_per_token;
+  const int head_begin = (tile % tiles_per_token) * p.head_tile;
+  const int vectors = p.head_tile * kDv / 4;  // runs of 4 values of the tile's rows
+  store_block_partials(p, kFused ? sh.own : nullptr);
   if constexpr (kFused) {
     // The block's stores (ordered before thread 0's fence by the barrier) before its arrival; the
     // last block's fence after the counter orders the other blocks' stores before its loads.
@@ -229,7 +241,7 @@ __device__ void grid_barrier(unsigned long long* counter) {
   __syncthreads();
 }
 
-// Block (split, tile) stores its partial rows (as store_partials_kernel), every block meets at the
+// Block (split, tile) stores its partial rows (store_block_partials), every block meets at the
 // grid barrier, then warp w of the grid merges items w, w + warps, ... where item = row * 4 + slice
 // (a 128-column slice of a (token, head) row; a lane holds 4 columns). All of a lane's kMaxSplits
 // partial loads are issued before the lse reduction. Summation order and lse reduction as the combine
@@ -240,19 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1) grid_merge_kernel(const __grid_co
                                                                  unsigned long long* counter) {
   static_assert(kMaxSplits <= 64, "a lane holds the lse of splits lane and lane + 32");
   constexpr int kSlices = kDv / 128;
-  const int split = blockIdx.x;
-  const int tile = blockIdx.y;
-  const int tiles_per_token = p.num_heads / p.head_tile;
-  {
-    const int token = tile / tiles_per_token;
-    const int head_begin = (tile % tiles_per_token) * p.head_tile;
-    const int vectors = p.head_tile * kDv / 4;
-    const int64_t first_row = SplitWorkspace::row(split, token, head_begin, p.num_tokens, p.num_heads);
-    const uint16_t* const source = p.source_out + first_row * kDv;
-    uint2* const target = reinterpret_cast<uint2*>(p.workspace.partial_out + first_row * kDv);
-    for (int v = threadIdx.x; v < vectors; v += kThreads) target[v] = *reinterpret_cast<const uint2*>(source + 4 * v);
-    if (threadIdx.x < p.head_tile) p.workspace.partial_lse[first_row + threadIdx.x] = p.source_lse[first_row + threadIdx.x];
-  }
+  store_block_partials(p, nullptr);
   grid_barrier(counter);
   if (!p.merge) return;
 
