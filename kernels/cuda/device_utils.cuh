@@ -31,7 +31,7 @@ JSMLA_DEVICE uint32_t shared_address(const void* pointer) {
 
 // 16 bytes global → shared, bypassing L1 (gathered KV rows are read once per block). The first copy to
 // miss in L2 brings 256 bytes of its row into L2, so the row's other copies (issued by other threads a few
-// cycles later) hit there: on small-T decode 1-3% faster than no prefetch, up to 3% than 128 bytes.
+// cycles later) hit there: on small-T decode 1-4% faster than no prefetch, up to 3% than 128 bytes.
 JSMLA_DEVICE void cp_async_16(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(shared_address(shared)), "l"(global));
 }
