@@ -92,24 +92,37 @@ struct FusedShared {
   bool last;
 };
 
-// Block (split, tile): stores its partial rows; with kFused the tile's last block then merges them:
-// every (row, split) lse in one round of loads, the weights from shared memory (the combine's
-// reductions: lse max; exp sums as 8 warp sums in order), then the sums (split s in merge group
-// s % 8, a group's splits in order from zero, the groups in order) over kBatch of a thread's float4
-// columns at a time, the batch's loads of a split all in flight.
-// The split epilogue's stand-in: block (split = blockIdx.x, tile = blockIdx.y) copies its partial rows
-// and lse values from the source into the workspace; `own` (when given) receives its rows as floats.
-__device__ void store_block_partials(const ProbeParams& p, float4* own) {
-  const int split = blockIdx.x;
-  const int tile = blockIdx.y;
-  const int tiles_per_token = p.num_heads / p.head_tile;
-  const int token = tile / tiles_per_token;
-  const int head_begin = (tile % tiles_per_token) * p.head_tile;
-  const int vectors = p.head_tile * kDv / 4;  // runs of 4 values of the tile's rows
-  const int64_t first_row = SplitWorkspace::row(split, token, head_begin, p.num_tokens, p.num_heads);
+// The combine's parameters for the probe's partials (no sinks, every token valid), merged into out/lse.
+__host__ __device__ CombineParams combine_params(const ProbeParams& p, uint16_t* out, float* lse) {
+  CombineParams cp{};
+  cp.workspace = p.workspace;
+  cp.num_splits = p.num_splits;
+  cp.num_tokens = p.num_tokens;
+  cp.num_heads = p.num_heads;
+  cp.out = out;
+  cp.lse = lse;
+  return cp;
+}
+
+// Block (split = blockIdx.x, tile = blockIdx.y): its token, first head and partial rows.
+struct BlockTile {
+  int split, tile, token, head_begin;
+  int vectors;  // runs of 4 values of the tile's rows
+  __device__ explicit BlockTile(const ProbeParams& p)
+      : split(blockIdx.x),
+        tile(blockIdx.y),
+        token(blockIdx.y / (p.num_heads / p.head_tile)),
+        head_begin((blockIdx.y % (p.num_heads / p.head_tile)) * p.head_tile),
+        vectors(p.head_tile * kDv / 4) {}
+};
+
+// The split epilogue's stand-in: the block copies its partial rows and lse values from the source into
+// the workspace; `own` (when given) receives its rows as floats.
+__device__ void store_block_partials(const ProbeParams& p, const BlockTile& b, float4* own) {
+  const int64_t first_row = SplitWorkspace::row(b.split, b.token, b.head_begin, p.num_tokens, p.num_heads);
   const uint16_t* const source = p.source_out + first_row * kDv;
   uint2* const target = reinterpret_cast<uint2*>(p.workspace.partial_out + first_row * kDv);
-  for (int v = threadIdx.x; v < vectors; v += kThreads) {
+  for (int v = threadIdx.x; v < b.vectors; v += kThreads) {
     const uint2 x = *reinterpret_cast<const uint2*>(source + 4 * v);
     target[v] = x;
     if (own != nullptr) own[v] = unpack_partial4(x);
@@ -117,18 +130,20 @@ __device__ void store_block_partials(const ProbeParams& p, float4* own) {
   if (threadIdx.x < p.head_tile) p.workspace.partial_lse[first_row + threadIdx.x] = p.source_lse[first_row + threadIdx.x];
 }
 
+// Block (split, tile): stores its partial rows; with kFused the tile's last block then merges them:
+// every (row, split) lse in one round of loads, the weights from shared memory (the combine's
+// reductions: lse max; exp sums as 8 warp sums in order), then the sums (split s in merge group
+// s % 8, a group's splits in order from zero, the groups in order) over kBatch of a thread's float4
+// columns at a time, the batch's loads of a split all in flight.
 template <bool kFused>
 __global__ void __launch_bounds__(kThreads, 1) store_partials_kernel(const __grid_constant__ ProbeParams p) {
   if constexpr (!kFused) allow_dependent_launch();
   extern __shared__ __align__(16) uint8_t shared_raw[];
   FusedShared& sh = *reinterpret_cast<FusedShared*>(shared_raw);
-  const int split = blockIdx.x;
-  const int tile = blockIdx.y;
-  const int tiles_per_token = p.num_heads / p.head_tile;
-  const int token = tile / tiles_per_token;
-  const int head_begin = (tile % tiles_per_token) * p.head_tile;
-  const int vectors = p.head_tile * kDv / 4;  // runs of 4 values of the tile's rows
-  store_block_partials(p, kFused ? sh.own : nullptr);
+  const BlockTile block(p);
+  const int split = block.split, tile = block.tile, token = block.token, head_begin = block.head_begin;
+  const int vectors = block.vectors;
+  store_block_partials(p, block, kFused ? sh.own : nullptr);
   if constexpr (kFused) {
     // The block's stores (ordered before thread 0's fence by the barrier) before its arrival; the
     // last block's fence after the counter orders the other blocks' stores before its loads.
@@ -252,17 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1) grid_merge_kernel(const __grid_co
                                                                  unsigned long long* counter) {
   static_assert(kMaxSplits <= 64, "a lane holds the lse of splits lane and lane + 32");
   constexpr int kSlices = kDv / 128;
-  store_block_partials(p, nullptr);
+  store_block_partials(p, BlockTile(p), nullptr);
   grid_barrier(counter);
   if (!p.merge) return;
 
-  CombineParams cp{};
-  cp.workspace = p.workspace;
-  cp.num_splits = p.num_splits;
-  cp.num_tokens = p.num_tokens;
-  cp.num_heads = p.num_heads;
-  cp.out = p.out;
-  cp.lse = p.lse;
+  const CombineParams cp = combine_params(p, p.out, p.lse);
   const int warps = gridDim.x * gridDim.y * (kThreads / 32);
   const int items = p.num_tokens * p.num_heads * kSlices;
   for (int item = (blockIdx.y * gridDim.x + blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; item < items;
@@ -355,13 +364,7 @@ int main() {
     p.num_heads = c.num_heads;
     p.head_tile = c.head_tile;
     p.arrivals = arrivals;
-    CombineParams cp{};
-    cp.workspace = p.workspace;
-    cp.num_splits = c.num_splits;
-    cp.num_tokens = c.num_tokens;
-    cp.num_heads = c.num_heads;
-    cp.out = out_sep;
-    cp.lse = lse_sep;
+    const CombineParams cp = combine_params(p, out_sep, lse_sep);
     const dim3 grid(c.num_splits, tiles);
     auto store_only = [&]() { store_partials_kernel<false><<<grid, kThreads, 0, stream>>>(p); };
     auto separate = [&]() {
