@@ -154,7 +154,6 @@ NB_MODULE(_cpu_ext, m) {
           case jsmla::cuda::CombineShape::kNarrow: return "narrow";
           case jsmla::cuda::CombineShape::kWarp: return "warp";
           case jsmla::cuda::CombineShape::kWide: return "wide";
-          case jsmla::cuda::CombineShape::kSliceWarp: return "slice_warp";
         }
         return "wide";
       },

@@ -122,10 +122,9 @@ def kernel_family(kv_format: str, heads_per_block: int, compute_capability: int,
 
 
 def combine_shape(rows: int, num_splits: int, d_v: int, sm_count: int) -> str:
-    """The block shape of a decode plan's split merge, ``"narrow"``, ``"warp"`` or ``"wide"`` (or
-    ``"slice_warp"`` in a build with that shape's compile-time choice on), as the CUDA launch picks it
-    (``kernels/cuda/combine_shape.h``) for ``rows`` (tokens × heads) rows of ``num_splits`` splits on
-    ``sm_count`` SMs. Every shape sums in the same order: it changes the speed only."""
+    """The block shape of a decode plan's split merge, ``"narrow"``, ``"warp"`` or ``"wide"``, as the
+    CUDA launch picks it (``kernels/cuda/combine_shape.h``) for ``rows`` (tokens × heads) rows of
+    ``num_splits`` splits on ``sm_count`` SMs. Every shape sums in the same order: it changes the speed only."""
     return _cpu_ext.combine_shape(rows, num_splits, d_v, sm_count)
 
 

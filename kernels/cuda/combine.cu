@@ -38,16 +38,6 @@ cudaError_t launch_shape(const CombineParams& p, int sm_count, cudaLaunchConfig_
       if (p.num_splits <= 4) return cudaLaunchKernelEx(&config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 4>, p);
       return cudaLaunchKernelEx(&config,
                                 combine_rows_by_warp_kernel<kDv, kWarpCombineRows, warp_combine_max_splits(kDv)>, p);
-    case CombineShape::kSliceWarp:
-      if constexpr (JSMLA_COMBINE_SLICE_WARP_SPLITS > 0) {
-        const int64_t slices = rows * (kDv / 128);
-        config.gridDim = dim3(static_cast<unsigned>((slices + kSliceWarpCombineWarps - 1) / kSliceWarpCombineWarps));
-        config.blockDim = dim3(32 * kSliceWarpCombineWarps);
-        config.dynamicSmemBytes = 0;
-        return cudaLaunchKernelEx(
-            &config, combine_slices_by_warp_kernel<kDv, kSliceWarpCombineWarps, JSMLA_COMBINE_SLICE_WARP_SPLITS>, p);
-      }
-      return cudaErrorInvalidValue;  // not chosen while the shape is off
     case CombineShape::kWide:
       break;
   }

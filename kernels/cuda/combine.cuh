@@ -11,9 +11,7 @@
 // kMergeGroups thread groups one merge group (sums through shared memory) and splits a row over
 // d_v / (4 kNarrowCombineLanes) blocks, so few rows — a T = 1 call — still spread over many SMs; the
 // wide shape walks all merge groups in one thread, one block per row; the warp shape (at most
-// kMergeGroups splits) gives a row to one warp, with no block barrier; the slice-warp shape (a
-// compile-time choice, off by default) gives a warp each 128-column slice of a few rows, all of a
-// lane's split loads in flight. All produce the same bits, so
+// kMergeGroups splits) gives a row to one warp, with no block barrier. All produce the same bits, so
 // combine.cu picks the shape (combine_shape.h; and the loads in flight) from the row and split counts without
 // changing any result: bitwise reproducible, no atomics, and a batch-invariant plan gives every row the
 // same bits at every T. The kernel is launched as the programmatic dependent of the split kernel and waits for it
@@ -306,91 +304,6 @@ __global__ void __launch_bounds__(32 * kWarps) combine_rows_by_warp_kernel(const
     out[lane + 32 * j] = make_uint2(pack_bf16x2(total[j].x, total[j].y), pack_bf16x2(total[j].z, total[j].w));
   }
   if (lane == 0) p.lse[row] = lse;
-}
-
-// One warp merges the 128-column slice at `column` of (token, head) row `row` (4 columns a lane) over
-// at most kMaxSplits splits, every split's partial loads in flight before the lse reduction (loaded
-// around L1: in a kernel that merges what its own blocks stored, other SMs wrote them). Lane s holds
-// split s (and s + 32): the lse sum is block_reduce's warp trees over splits [0, 32) and [32, 64), added
-// in order (the narrow block's other warps add +0), and the values go in merge-group order — the bits
-// of combine_splits_kernel.
-template <int kDv, int kMaxSplits>
-JSMLA_DEVICE void merge_row_slice(const CombineParams& p, int64_t row, int column) {
-  static_assert(kMaxSplits <= 64, "a lane holds the lse of splits lane and lane + 32");
-  const int lane = threadIdx.x % 32;
-  const int64_t token = row / p.num_heads;
-  const int head = static_cast<int>(row % p.num_heads);
-  uint2 part[kMaxSplits];
-#pragma unroll
-  for (int s = 0; s < kMaxSplits; ++s) {
-    part[s] = s < p.num_splits
-                  ? __ldcg(reinterpret_cast<const uint2*>(
-                        p.workspace.partial_out + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv +
-                        column))
-                  : make_uint2(0u, 0u);
-  }
-  auto split_lse = [&](int s) {
-    return s < p.num_splits ? __ldcg(p.workspace.partial_lse + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads))
-                            : -INFINITY;
-  };
-  const float lse0 = split_lse(lane);
-  const float lse1 = kMaxSplits > 32 ? split_lse(lane + 32) : -INFINITY;
-  const float max_lse = fmaxf(warp_max(lse0), warp_max(lse1));
-  float sum = warp_sum(max_lse != -INFINITY && lane < p.num_splits ? expf(lse0 - max_lse) : 0.0f);
-  if (kMaxSplits > 32 && p.num_splits > 32) {
-    sum += warp_sum(max_lse != -INFINITY && lane + 32 < p.num_splits ? expf(lse1 - max_lse) : 0.0f);
-  }
-  const float splits_lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
-  const float lse = lse_with_sink(splits_lse, p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY);
-  const float weight0 = state_weight(lse0, lse);
-  const float weight1 = state_weight(lse1, lse);
-
-  float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-  for (int g = 0; g < kMergeGroups; ++g) {
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int s = g; s < kMaxSplits; s += kMergeGroups) {
-      const float weight = __shfl_sync(0xffffffffu, s < 32 ? weight0 : weight1, s % 32);
-      if (s < p.num_splits) {
-        const float4 value = partial_values(part[s], weight);
-        acc.x = fmaf(weight, value.x, acc.x);
-        acc.y = fmaf(weight, value.y, acc.y);
-        acc.z = fmaf(weight, value.z, acc.z);
-        acc.w = fmaf(weight, value.w, acc.w);
-      }
-    }
-    if (g == 0) {
-      total = acc;
-    } else {
-      add_float4(total, acc);
-    }
-  }
-  *reinterpret_cast<uint2*>(p.out + row * kDv + column) =
-      make_uint2(pack_bf16x2(total.x, total.y), pack_bf16x2(total.z, total.w));
-  if (column == 0) p.lse[row] = lse;
-}
-
-// The slice-warp shape, for few rows over at most kMaxSplits splits: one warp per 128-column slice of a
-// row (merge_row_slice), no shared memory and no block barrier, so a T = 1 call's rows spread over many
-// warps without the narrow shape's block reductions (combine_shape.h: taken only where its
-// compile-time choice is on).
-template <int kDv, int kWarps, int kMaxSplits>
-__global__ void __launch_bounds__(32 * kWarps) combine_slices_by_warp_kernel(const __grid_constant__ CombineParams p) {
-  static_assert(kDv % 128 == 0, "a row is whole 128-column slices");
-  constexpr int kSlices = kDv / 128;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // row * kSlices + slice
-  if (item >= p.num_tokens * p.num_heads * kSlices) return;  // whole warps
-  const int64_t row = item / kSlices;  // token * H + head
-  const int column = static_cast<int>(item % kSlices) * 128 + 4 * (threadIdx.x % 32);
-  // Padding rows first, before waiting for the split kernel (as combine_splits_kernel).
-  if (row / p.num_heads >= valid_token_count(p.valid_tokens, p.num_tokens)) {
-    *reinterpret_cast<uint2*>(p.out + row * kDv + column) = make_uint2(0, 0);
-    if (column == 0) p.lse[row] = -INFINITY;
-    return;
-  }
-  wait_for_prerequisite_grid();
-  merge_row_slice<kDv, kMaxSplits>(p, row, column);
 }
 
 }  // namespace jsmla::cuda

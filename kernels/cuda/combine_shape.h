@@ -29,18 +29,7 @@ inline constexpr int kWarpCombineLoads = 32;
 template <int kDv>
 inline constexpr int kWideCombineLanes = kDv / 4;
 
-// The slice-warp shape (a warp per 128-column slice of a row, combine.cuh) takes the narrow shape's calls
-// of at most this many splits: 0 (never), 16, 32 or 64. A compile-time choice until it is timed beside
-// the narrow shape (benchmarks/ab_tree.sh sets it; kernels/cuda/tests/fused_merge_probe.cu times the
-// kernel alone).
-#define JSMLA_COMBINE_SLICE_WARP_SPLITS 0
-static_assert(JSMLA_COMBINE_SLICE_WARP_SPLITS == 0 || JSMLA_COMBINE_SLICE_WARP_SPLITS == 16 ||
-                  JSMLA_COMBINE_SLICE_WARP_SPLITS == 32 || JSMLA_COMBINE_SLICE_WARP_SPLITS == 64,
-              "a slice-warp lane holds the lse of at most two splits (64) and its loads of every split");
-// The slice-warp shape's warps a block.
-inline constexpr int kSliceWarpCombineWarps = 4;
-
-enum class CombineShape { kNarrow, kWarp, kWide, kSliceWarp };
+enum class CombineShape { kNarrow, kWarp, kWide };
 
 // Slices of a row the narrow shape spreads over separate blocks.
 constexpr int narrow_combine_slices(int d_v) { return d_v / (4 * kNarrowCombineLanes); }
@@ -52,15 +41,14 @@ constexpr int warp_combine_max_splits(int d_v) {
 
 // The shape of a merge of `rows` (token, head) rows over `num_splits` splits on `sm_count` SMs:
 //  * few rows (a small batch): narrow — slices of a row on separate blocks, as long as they fit two
-//    waves (beyond that a block per row is faster; at T = 2 H = 128 with 22 splits the slices are),
-//    or slice warp where JSMLA_COMBINE_SLICE_WARP_SPLITS covers the splits;
+//    waves (beyond that a block per row is faster; at T = 2 H = 128 with 22 splits the slices are);
 //  * many rows, at most one split per merge group (and per lane's registers): warp — a row a warp, every
 //    split's loads in flight, no block barrier;
 //  * otherwise wide: a block per row, a thread walking all the splits.
 constexpr CombineShape choose_combine_shape(int64_t rows, int num_splits, int d_v, int sm_count) {
   constexpr int kNarrowBlocksPerSm = kNarrowThreadsPerSm / (kNarrowCombineLanes * kNarrowCombineGroups);
   if (rows * narrow_combine_slices(d_v) <= 2 * static_cast<int64_t>(sm_count) * kNarrowBlocksPerSm) {
-    return num_splits <= JSMLA_COMBINE_SLICE_WARP_SPLITS ? CombineShape::kSliceWarp : CombineShape::kNarrow;
+    return CombineShape::kNarrow;
   }
   return num_splits <= warp_combine_max_splits(d_v) ? CombineShape::kWarp : CombineShape::kWide;
 }

@@ -12,8 +12,8 @@
 //    64-bit counter that only grows, by the grid's block count each launch, so it needs no reset),
 //    then every warp merges (row, 128-column slice) items in the combine's summation order ("barrier":
 //    the store and the barrier without the merge);
-//  * slice: the separate combine in combine.cuh's slice-warp shape (a warp per 128-column slice of a
-//    row, merge_row_slice) instead of the shape launch_combine picks, with 1 or 4 warps a block.
+//  * slice: the separate combine in a slice-warp shape (a warp per 128-column slice of a row,
+//    merge_row_slice below) instead of the shape launch_combine picks, with 1 or 4 warps a block.
 // The storing kernel stands in for the split kernel's epilogue: every block copies its (split, token,
 // head tile) partial rows and lse values from a source buffer into the workspace, as the split kernel
 // stores them from registers, so the two variants differ in the merge only ("arrive": the fused
@@ -259,9 +259,94 @@ __device__ void grid_barrier(unsigned long long* counter) {
   __syncthreads();
 }
 
+// One warp merges the 128-column slice at `column` of (token, head) row `row` (4 columns a lane) over
+// at most kMaxSplits splits, every split's partial loads in flight before the lse reduction (loaded
+// around L1: in a kernel that merges what its own blocks stored, other SMs wrote them). Lane s holds
+// split s (and s + 32): the lse sum is block_reduce's warp trees over splits [0, 32) and [32, 64), added
+// in order (the narrow block's other warps add +0), and the values go in merge-group order — the bits
+// of combine_splits_kernel.
+template <int kDv, int kMaxSplits>
+__device__ void merge_row_slice(const CombineParams& p, int64_t row, int column) {
+  static_assert(kMaxSplits <= 64, "a lane holds the lse of splits lane and lane + 32");
+  const int lane = threadIdx.x % 32;
+  const int64_t token = row / p.num_heads;
+  const int head = static_cast<int>(row % p.num_heads);
+  uint2 part[kMaxSplits];
+#pragma unroll
+  for (int s = 0; s < kMaxSplits; ++s) {
+    part[s] = s < p.num_splits
+                  ? __ldcg(reinterpret_cast<const uint2*>(
+                        p.workspace.partial_out + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads) * kDv +
+                        column))
+                  : make_uint2(0u, 0u);
+  }
+  auto split_lse = [&](int s) {
+    return s < p.num_splits ? __ldcg(p.workspace.partial_lse + SplitWorkspace::row(s, token, head, p.num_tokens, p.num_heads))
+                            : -INFINITY;
+  };
+  const float lse0 = split_lse(lane);
+  const float lse1 = kMaxSplits > 32 ? split_lse(lane + 32) : -INFINITY;
+  const float max_lse = fmaxf(warp_max(lse0), warp_max(lse1));
+  float sum = warp_sum(max_lse != -INFINITY && lane < p.num_splits ? expf(lse0 - max_lse) : 0.0f);
+  if (kMaxSplits > 32 && p.num_splits > 32) {
+    sum += warp_sum(max_lse != -INFINITY && lane + 32 < p.num_splits ? expf(lse1 - max_lse) : 0.0f);
+  }
+  const float splits_lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
+  const float lse = lse_with_sink(splits_lse, p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY);
+  const float weight0 = state_weight(lse0, lse);
+  const float weight1 = state_weight(lse1, lse);
+
+  float4 total = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int g = 0; g < kMergeGroups; ++g) {
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int s = g; s < kMaxSplits; s += kMergeGroups) {
+      const float weight = __shfl_sync(0xffffffffu, s < 32 ? weight0 : weight1, s % 32);
+      if (s < p.num_splits) {
+        const float4 value = partial_values(part[s], weight);
+        acc.x = fmaf(weight, value.x, acc.x);
+        acc.y = fmaf(weight, value.y, acc.y);
+        acc.z = fmaf(weight, value.z, acc.z);
+        acc.w = fmaf(weight, value.w, acc.w);
+      }
+    }
+    if (g == 0) {
+      total = acc;
+    } else {
+      add_float4(total, acc);
+    }
+  }
+  *reinterpret_cast<uint2*>(p.out + row * kDv + column) =
+      make_uint2(pack_bf16x2(total.x, total.y), pack_bf16x2(total.z, total.w));
+  if (column == 0) p.lse[row] = lse;
+}
+
+// The slice-warp combine shape, for few rows over at most kMaxSplits splits: one warp per 128-column
+// slice of a row (merge_row_slice), no shared memory and no block barrier, so a T = 1 call's rows spread
+// over many warps without the narrow shape's block reductions. Timed here and in the library beside the
+// narrow shape (docs/kernel_log.md, 2026-12-06): no faster in the library, so combine.cu does not have it.
+template <int kDv, int kWarps, int kMaxSplits>
+__global__ void __launch_bounds__(32 * kWarps) combine_slices_by_warp_kernel(const __grid_constant__ CombineParams p) {
+  static_assert(kDv % 128 == 0, "a row is whole 128-column slices");
+  constexpr int kSlices = kDv / 128;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;  // row * kSlices + slice
+  if (item >= p.num_tokens * p.num_heads * kSlices) return;  // whole warps
+  const int64_t row = item / kSlices;  // token * H + head
+  const int column = static_cast<int>(item % kSlices) * 128 + 4 * (threadIdx.x % 32);
+  // Padding rows first, before waiting for the split kernel (as combine_splits_kernel).
+  if (row / p.num_heads >= valid_token_count(p.valid_tokens, p.num_tokens)) {
+    *reinterpret_cast<uint2*>(p.out + row * kDv + column) = make_uint2(0, 0);
+    if (column == 0) p.lse[row] = -INFINITY;
+    return;
+  }
+  wait_for_prerequisite_grid();
+  merge_row_slice<kDv, kMaxSplits>(p, row, column);
+}
+
 // Block (split, tile) stores its partial rows (store_block_partials), every block meets at the
 // grid barrier, then warp w of the grid merges items w, w + warps, ... where item = row * 4 + slice
-// (a 128-column slice of a (token, head) row): combine.cuh's merge_row_slice, the combine's bits.
+// (a 128-column slice of a (token, head) row): merge_row_slice, the combine's bits.
 template <int kMaxSplits>
 __global__ void __launch_bounds__(kThreads, 1) grid_merge_kernel(const __grid_constant__ ProbeParams p,
                                                                  unsigned long long* counter) {
