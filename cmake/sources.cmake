@@ -41,6 +41,7 @@ set(JSMLA_CUDA_SOURCES
   kernels/cuda/hopper/instances/dsv4_h64.cu
   kernels/cuda/hopper/instances/dsv4_1_h16.cu
   kernels/cuda/hopper/instances/dsv4_1_h64.cu
+  kernels/cuda/hopper/instances/dots3_swa_h64.cu
   kernels/cuda/hopper/instances/bf16_576_h64.cu
   kernels/cuda/hopper/instances/bf16_512_h64.cu
   kernels/cuda/hopper/instances/dsv4_nvfp4_h16.cu

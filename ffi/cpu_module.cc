@@ -59,6 +59,7 @@ nb::dict kernel_tables() {
     entry["threads"] = k.threads;
     entry["candidate_tile"] = k.candidate_tile;
     entry["shared_bytes"] = k.shared_bytes;
+    entry["cluster_blocks"] = k.cluster_blocks;
     kernels.append(entry);
   }
   nb::dict d;

@@ -47,11 +47,13 @@ struct PlanAttributes {
 
 // ------------------------------------------------------------------------------ plan checks
 
+// The head tiles of a format: its portable tiles, then its Hopper-only tiles (marked: sm_90 only).
 std::string head_tiles_text(FormatId format) {
   std::string text;
   for (const cuda::KernelShape& k : cuda::kKernelShapes) {
-    if (k.family == Family::kPortable && k.format == format) {
-      text += (text.empty() ? "" : ", ") + std::to_string(k.heads_per_block);
+    if (k.format == format && (k.family == Family::kPortable || cuda::hopper_only(format, k.heads_per_block))) {
+      text += (text.empty() ? "" : ", ") + std::to_string(k.heads_per_block) +
+              (k.family == Family::kHopper ? " (sm_90 only)" : "");
     }
   }
   return text;
@@ -83,7 +85,7 @@ ffi::Error check_plan(const FormatTraits& f, const AttentionParams& a, const Pla
                           std::to_string(static_cast<int>(a.extra.format)) + " with main format " +
                           std::to_string(static_cast<int>(f.id)) + " has no CUDA kernel");
   }
-  if (cuda::find_shape(Family::kPortable, f.id, plan.heads_per_block) < 0) {
+  if (cuda::find_shape(Family::kPortable, f.id, plan.heads_per_block) < 0 && !cuda::hopper_only(f.id, plan.heads_per_block)) {
     return ffi::Error::InvalidArgument("heads_per_block: expected one of {" + head_tiles_text(f.id) +
                                        "} for kv_format " + std::to_string(static_cast<int>(f.id)) + ", got " +
                                        std::to_string(plan.heads_per_block));
@@ -163,6 +165,13 @@ ffi::Error select_kernel(const FormatTraits& f, int32_t heads_per_block, int64_t
       cuda::choose_family(f.id, heads_per_block, split_size, facts->capability, max_shared, cuda::hopper_compiled(),
                           hopper_allowed());
   *kernel = cuda::find_kernel(family, f.id, heads_per_block);
+  if (*kernel == nullptr) {  // a Hopper-only head tile where the Hopper family does not run
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "heads_per_block: head tile " + std::to_string(heads_per_block) + " of kv_format " +
+                          std::to_string(static_cast<int>(f.id)) +
+                          " runs on the Hopper kernels only (an sm_90 GPU, a build with sm_90a code, "
+                          "JSMLA_CUDA_FAMILY not 'portable'); plan for this device instead");
+  }
   if ((*kernel)->shape.shared_bytes > max_shared) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "heads_per_block: the kernel needs " + std::to_string((*kernel)->shape.shared_bytes) +

@@ -9,7 +9,8 @@ Contract of a CUDA plan (the CUDA handler checks it again):
   * ``variant``: ``VARIANT_IDS["decode"]`` (split-K over the candidate list, then a merge of the splits,
     through the workspace) or ``VARIANT_IDS["prefill"]`` (one pass per token and head tile, no
     workspace); the CPU runs ``VARIANT_IDS["reference"]``.
-  * ``heads_per_block``: one of ``HEAD_TILES[kv_format]``; heads past H in the last tile are masked.
+  * ``heads_per_block``: one of ``HEAD_TILES[kv_format]``, or on a device where the Hopper family runs one
+    of ``HOPPER_ONLY_TILES[kv_format]``; heads past H in the last tile are masked.
   * decode: ``split_size`` a positive multiple of ``SPLIT_GRANULE`` with
     ``num_splits * split_size >= decode_positions(kv_format, topk, extra_topk)`` (``topk + extra_topk``,
     or without an extra list the main list cut at the format's window); split s covers candidate positions
@@ -17,6 +18,8 @@ Contract of a CUDA plan (the CUDA handler checks it again):
     ``workspace_bytes(num_splits, T, H, d_v)`` bytes.
   * On an sm_90 device the handler runs the Hopper kernel of the same (format, head tile) when one
     exists (:func:`kernel_family`): the same variants, split sizes and workspace, so plans do not change.
+    A Hopper-only head tile (``dots3_swa``'s 64 heads, a cluster of two blocks a (token, head tile,
+    split): ``KernelConfig.cluster_blocks``) has no portable kernel: elsewhere the handler refuses it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .formats import FORMATS, get_format
 
 __all__ = ["KernelConfig", "VARIANT_IDS", "MIN_HEADS", "MAX_HEADS", "MIN_TOPK", "SPLIT_GRANULE",
            "MIN_COMPUTE_CAPABILITY", "HOPPER_COMPUTE_CAPABILITY", "FAMILIES", "KERNELS", "HOPPER_KERNELS",
-           "HEAD_TILES", "has_cuda_kernels", "workspace_bytes", "backward_workspace_bytes", "backward_chunk_tokens",
+           "HEAD_TILES", "HOPPER_ONLY_TILES", "has_cuda_kernels", "workspace_bytes", "backward_workspace_bytes", "backward_chunk_tokens",
            "BACKWARD_CHUNK_BUDGET_BYTES", "kernel_family", "combine_shape", "row_conversion",
            "decode_positions"]
 
@@ -40,6 +43,7 @@ class KernelConfig(NamedTuple):
     threads: int         # threads per block
     candidate_tile: int  # KV rows gathered and dequantized per pipeline step
     shared_bytes: int    # dynamic shared memory per block
+    cluster_blocks: int = 1  # blocks per (token, head tile, split): 2 for a lane-sliced Hopper tile
 
 
 #: Values of the ``variant`` FFI attribute.
@@ -61,13 +65,16 @@ _FORMAT_KEYS = {f.id: key for key, f in FORMATS.items()}
 FAMILIES: dict = {}
 for _entry in _TABLES["kernels"]:
     FAMILIES.setdefault(_entry["family"], {})[(_FORMAT_KEYS[_entry["kv_format"]], _entry["heads_per_block"])] = (
-        KernelConfig(_entry["threads"], _entry["candidate_tile"], _entry["shared_bytes"]))
+        KernelConfig(_entry["threads"], _entry["candidate_tile"], _entry["shared_bytes"], _entry["cluster_blocks"]))
 #: The portable family (every format; what plans are written for).
 KERNELS: dict = FAMILIES["portable"]
 #: The Hopper family (sm_90a).
 HOPPER_KERNELS: dict = FAMILIES.get("hopper", {})
 #: Instantiated head tiles per format, ascending.
 HEAD_TILES: dict = {key: tuple(sorted(h for (k, h) in KERNELS if k == key)) for key in dict.fromkeys(k for k, _ in KERNELS)}
+#: Hopper head tiles without a portable kernel, per format (plans take them where the Hopper family runs).
+HOPPER_ONLY_TILES: dict = {key: tuple(sorted(h for (k, h) in HOPPER_KERNELS if k == key and (k, h) not in KERNELS))
+                           for key in HEAD_TILES}
 
 
 def has_cuda_kernels(kv_format: str) -> bool:

@@ -309,6 +309,22 @@ def resident_blocks(kv_format: str, heads_per_block: int, device: DeviceInfo, sp
                                                                  split_size, device))
 
 
+def _cluster_blocks(kv_format: str, heads_per_block: int, family: str) -> int:
+    """Blocks per (token, head tile, split) of the kernel of ``family``: a lane-sliced Hopper tile's
+    cluster (each of its blocks costs a block of its slice's rows), 1 otherwise."""
+    tables = kernel_tables.HOPPER_KERNELS if family == "hopper" else kernel_tables.KERNELS
+    return tables[(kv_format, heads_per_block)].cluster_blocks
+
+
+def head_tiles(kv_format: str, device: DeviceInfo) -> tuple:
+    """The head tiles a CUDA plan for ``device`` may take: the format's portable tiles, and its Hopper-only
+    tiles (:data:`kernel_tables.HOPPER_ONLY_TILES`) where the Hopper family runs them on ``device``."""
+    key = get_format(kv_format).key
+    only = tuple(t for t in kernel_tables.HOPPER_ONLY_TILES.get(key, ())
+                 if _family(get_format(key), t, None, device) == "hopper")
+    return tuple(sorted(kernel_tables.HEAD_TILES[key] + only))
+
+
 def _resident(kv_format: str, heads_per_block: int, device: DeviceInfo, family: str) -> int:
     tables = kernel_tables.HOPPER_KERNELS if family == "hopper" else kernel_tables.KERNELS
     kernel = tables[(kv_format, heads_per_block)]
@@ -325,10 +341,12 @@ def option_us(model: CostModel, fmt: KVFormat, num_tokens: int, num_heads: int, 
     conversion = kernel_tables.row_conversion(fmt.key)
     if variant == "prefill":
         family = _family(fmt, heads_per_block, None, device)
-        return model.kernel_us(base_blocks, candidates, heads_per_block, device.sm_count,
-                               _resident(fmt.key, heads_per_block, device, family), family, conversion, fmt.key)
+        return model.kernel_us(base_blocks * _cluster_blocks(fmt.key, heads_per_block, family), candidates,
+                               heads_per_block, device.sm_count, _resident(fmt.key, heads_per_block, device, family),
+                               family, conversion, fmt.key)
     split_size, num_splits = split_layout(candidates, num_splits)
     family = _family(fmt, heads_per_block, split_size, device)
+    base_blocks *= _cluster_blocks(fmt.key, heads_per_block, family)
     return (model.kernel_us(base_blocks * num_splits, split_size, heads_per_block, device.sm_count,
                             _resident(fmt.key, heads_per_block, device, family), family, conversion, fmt.key)
             + model.combine_us(num_splits, num_tokens, num_heads, fmt.d_v, device.sm_count))
@@ -362,7 +380,7 @@ def _cuda_options(fmt: KVFormat, num_tokens, num_heads, topk, extra_topk, device
     for kernel_fmt, extra_us in kernels:
         key = None if kernel_fmt is fmt else kernel_fmt.key
         positions = kernel_tables.decode_positions(kernel_fmt.key, topk, extra_topk)
-        for heads_per_block in kernel_tables.HEAD_TILES[kernel_fmt.key]:
+        for heads_per_block in head_tiles(kernel_fmt.key, device):
             if impl in ("auto", "prefill"):
                 us = option_us(model, kernel_fmt, num_tokens, num_heads, positions, "prefill", heads_per_block, 1,
                                device)

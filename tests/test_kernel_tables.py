@@ -65,10 +65,20 @@ def test_workspace_bytes(num_splits, tokens, heads, d_v):
 def test_hopper_kernels_serve_portable_plans():
     # The handler swaps the Hopper kernel in for the portable one of the same (format, head tile), so
     # every Hopper entry must have a portable twin whose candidate tile divides its own (the plan's
-    # splits are whole portable tiles; a Hopper tile may end short).
+    # splits are whole portable tiles; a Hopper tile may end short) — except the Hopper-only tiles,
+    # whose candidate tile divides the split granule, and which alone run as clusters of blocks.
+    only = {(key, heads) for key, tiles in kernel_tables.HOPPER_ONLY_TILES.items() for heads in tiles}
+    assert only == {("dots3_swa", 64)}
     for key, config in kernel_tables.HOPPER_KERNELS.items():
+        if key in only:
+            assert key not in kernel_tables.KERNELS
+            assert kernel_tables.SPLIT_GRANULE % config.candidate_tile == 0
+            assert config.cluster_blocks == 2
+            continue
         assert key in kernel_tables.KERNELS
         assert config.candidate_tile % kernel_tables.KERNELS[key].candidate_tile == 0
+        assert config.cluster_blocks == 1
+    assert all(config.cluster_blocks == 1 for config in kernel_tables.KERNELS.values())
     # BF16 rows (no staging area) and 16-head tiles (the candidates are the wgmma M) take 64-candidate
     # tiles; the others the portable family's 32.
     for (key, heads), config in kernel_tables.HOPPER_KERNELS.items():
@@ -76,19 +86,23 @@ def test_hopper_kernels_serve_portable_plans():
 
 
 def test_hopper_16_head_tiles_serve_the_fp8_and_fp4_formats_with_exact_conversions():
-    # Arbitrary FP32 scales (glm_*) and BF16 rows keep the portable 16-head tile; dots3_swa has no Hopper tile.
+    # Arbitrary FP32 scales (glm_*) and BF16 rows keep the portable 16-head tile; dots3_swa's Hopper tile
+    # is the 64-head cluster only.
     served = {fmt for fmt, heads in kernel_tables.HOPPER_KERNELS if heads == 16}
     assert served == {"dsv3_2", "dsv4", "dsv4_1", "dsv4_nvfp4", "dsv4_1_fp4"}
     assert kernel_tables.HOPPER_KERNELS[("dsv3_2", 16)].threads == 384
 
 
-def test_hopper_formats_are_the_576_and_512_wide_formats():
+def test_hopper_formats_are_the_576_and_512_wide_formats_and_dots3_in_two_lane_slices():
     # Every 512/576-wide format with d_v 512: scales of every kind (arbitrary FP32 ones in groups that
-    # tile each consumer's 256 columns); dots3_swa's 1088-wide rows stay on the portable family.
+    # tile each consumer's 256 columns); dots3_swa's 1088-wide rows as two 576-wide lane slices (its FP8
+    # lanes halved, the BF16 rope in slice 0), one block of a two-block cluster each.
     served = {fmt for fmt, _ in kernel_tables.HOPPER_KERNELS}
     expected = {key for key, f in jsm.FORMATS.items() if f.d_qk in (512, 576) and f.d_v == 512}
     assert {"dsv4_nvfp4", "dsv4_1_fp4", "glm_nsa", "glm53_nope"} <= served
-    assert served == expected
+    assert served == expected | {"dots3_swa"}
+    dots3 = jsm.get_format("dots3_swa")
+    assert (dots3.d_qk - dots3.d_v) + dots3.d_v // 2 == 576  # slice 0 is dsv3_2-shaped: 512 FP8 + 64 BF16
 
 
 @pytest.mark.parametrize("kv_format,heads,capability,shared,family", [
@@ -101,6 +115,8 @@ def test_hopper_formats_are_the_576_and_512_wide_formats():
     ("glm_nsa", 64, 90, H200_SHARED, "hopper"),        # arbitrary FP32 scales, applied in FP32
     ("glm_nsa", 16, 90, H200_SHARED, "portable"),
     ("dots3_swa", 32, 90, H200_SHARED, "portable"),
+    ("dots3_swa", 64, 90, H200_SHARED, "hopper"),     # the Hopper-only cluster tile
+    ("dots3_swa", 64, 90, 200000, "portable"),         # no room for it: no kernel (the planner skips it)
     ("bf16_512", 64, 90, H200_SHARED, "hopper"),
 ])
 def test_kernel_family(kv_format, heads, capability, shared, family):
@@ -219,3 +235,29 @@ def test_window_plans_split_only_the_window():
     # batch_invariant keeps its fixed layout over the whole index row.
     fixed = jsm.plan((2, 64, 1088), "dots3_swa", 2048, platform="cuda", batch_invariant=True)
     assert fixed.num_splits * fixed.split_size >= 2048
+
+
+def test_hopper_only_tiles_are_planned_only_where_the_hopper_family_runs(monkeypatch):
+    from jax_sparse_mla import planner
+
+    h200 = planner.DEFAULT_CUDA_DEVICE
+    a100 = planner.DeviceInfo("NVIDIA A100", "cuda", 80, 108, 166912, 167936, 65536)
+    assert planner.head_tiles("dots3_swa", h200) == (16, 32, 64)
+    assert planner.head_tiles("dots3_swa", a100) == (16, 32)
+    assert planner.head_tiles("dsv3_2", h200) == kernel_tables.HEAD_TILES["dsv3_2"]
+    for device in (h200, a100):
+        for tokens, heads in ((1, 128), (128, 128), (4096, 128), (8, 16)):
+            plan = jsm.plan((tokens, heads, 1088), "dots3_swa", 2048, platform="cuda", device=device)
+            assert plan.heads_per_block in planner.head_tiles("dots3_swa", device)
+            assert plan.family == ("hopper" if plan.heads_per_block == 64 else "portable"), plan
+    # A cluster's two blocks are both charged: the 64-head tile costs the model twice the blocks of a
+    # one-block tile of the same shape.
+    model = planner.CostModel()
+    one = model.kernel_us(128 * 2 * 2, 513, 64, h200.sm_count, 1, "hopper", "converted", "dots3_swa")  # T x tiles x 2
+    assert planner.option_us(model, jsm.get_format("dots3_swa"), 128, 128, 513, "prefill", 64, 1, h200) == one
+    # JSMLA_CUDA_FAMILY=portable: no Hopper kernel runs, so no Hopper-only tile is planned.
+    monkeypatch.setenv("JSMLA_CUDA_FAMILY", "portable")
+    planner.clear_cache()
+    assert planner.head_tiles("dots3_swa", h200) == (16, 32)
+    assert jsm.plan((128, 128, 1088), "dots3_swa", 2048, platform="cuda", device=h200).heads_per_block != 64
+    planner.clear_cache()

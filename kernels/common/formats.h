@@ -122,4 +122,27 @@ constexpr bool table_consistent() {
 }
 static_assert(table_consistent(), "format table rows must be self-consistent and in FormatId order");
 
+// One of `slices` equal lane slices of a format's quantized lanes, as the kernels that split every row
+// between the blocks of a cluster see it (the Hopper family's tile of dots3_swa rows): the slice has the
+// format's layout, scales and row addressing, quant_dim / slices quantized lanes in num_groups / slices
+// scale groups, the format's BF16 lanes after them (slice 0 gathers them; the others leave them zero)
+// and V as its quantized lanes. Slice s reads the quantized bytes from s * quant_bytes() and the scales
+// from group s * num_groups of the format's row.
+constexpr FormatTraits lane_slice(const FormatTraits& f, int slices) {
+  if (slices == 1) return f;
+  FormatTraits s = f;
+  s.quant_dim = f.quant_dim / slices;
+  s.num_groups = f.num_groups / slices;
+  s.d_qk = s.quant_dim + f.bf16_dim;
+  s.d_v = f.d_v / slices;
+  return s;
+}
+
+// Whether a format splits into `slices` such slices: whole scale groups and V lanes in each, and V
+// being exactly the quantized lanes (each slice's V is its own quantized lanes).
+constexpr bool splits_into_lane_slices(const FormatTraits& f, int slices) {
+  return slices >= 1 && f.quant_dim % slices == 0 && f.num_groups % slices == 0 && f.d_v == f.quant_dim &&
+         f.quant_bits == 8 && (f.quant_dim / slices) % 16 == 0;
+}
+
 }  // namespace jsmla

@@ -82,8 +82,9 @@ struct BlockCoordinates {
   int split;
   int head_tile;
   int64_t token;
-  JSMLA_DEVICE explicit BlockCoordinates(const SplitKvParams& p) {
-    const int64_t block = blockIdx.x;
+  JSMLA_DEVICE explicit BlockCoordinates(const SplitKvParams& p) : BlockCoordinates(p, blockIdx.x) {}
+  // Of the block's cluster `block` (the lane-sliced Hopper tile: the blocks of a cluster share them).
+  JSMLA_DEVICE BlockCoordinates(const SplitKvParams& p, int64_t block) {
     split = static_cast<int>(block % p.num_splits);
     head_tile = static_cast<int>((block / p.num_splits) % p.num_head_tiles);
     token = block / p.num_splits / p.num_head_tiles;

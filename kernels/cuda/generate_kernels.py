@@ -29,7 +29,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: kernel yet). The portable family needs a small
 #: tile (H <= 16, ragged head counts) and a large one (one dequantized KV tile for the most heads:
 #: 64, or 32 for the 1088-wide dots3_swa rows); the Hopper family serves 64-head tiles of the
-#: formats its producer handles (hopper/config.h: hopper_format) and 16-head tiles of the FP8 and FP4
+#: formats its producer handles (hopper/config.h: hopper_format; dots3_swa's as a two-block cluster,
+#: a Hopper-only head tile) and 16-head tiles of the FP8 and FP4
 #: formats with exact BF16 conversions (hopper/config_h16.h: hopper_h16_format); the backward family's 64-head tiles
 #: serve the formats of backward/mma_launch.h's mma_backward_serves (the SIMT kernel the others).
 INSTANCES = {
@@ -38,7 +39,7 @@ INSTANCES = {
     "glm53_nope": ("kGlm53Nope", {"portable": (16, 64), "hopper": (64,)}),
     "dsv4": ("kDsv4", {"portable": (16, 64), "hopper": (16, 64), "backward": (64,)}),
     "dsv4_1": ("kDsv41", {"portable": (16, 64), "hopper": (16, 64), "backward": (64,)}),
-    "dots3_swa": ("kDots3Swa", {"portable": (16, 32)}),
+    "dots3_swa": ("kDots3Swa", {"portable": (16, 32), "hopper": (64,)}),
     "bf16_576": ("kBf16_576", {"portable": (16, 64), "hopper": (64,), "backward": (64,)}),
     "bf16_512": ("kBf16_512", {"portable": (16, 64), "hopper": (64,), "backward": (64,)}),
     "dsv4_nvfp4": ("kDsv4Nvfp4", {"portable": (16, 64), "hopper": (16, 64), "backward": (64,)}),

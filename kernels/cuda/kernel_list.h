@@ -33,6 +33,7 @@
   X(kDsv4, 64) \
   X(kDsv41, 16) \
   X(kDsv41, 64) \
+  X(kDots3Swa, 64) \
   X(kBf16_576, 64) \
   X(kBf16_512, 64) \
   X(kDsv4Nvfp4, 16) \

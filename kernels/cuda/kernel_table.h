@@ -28,11 +28,13 @@ struct KernelShape {
   int32_t candidate_tile;
   int32_t shared_bytes;  // dynamic shared memory per block
   int32_t min_split_size;  // the shortest split the family takes this instance for (choose_family)
+  int32_t cluster_blocks;  // blocks per (token, head tile, split): 2 for the lane-sliced Hopper tile
 };
 
 template <class Cfg>
 constexpr KernelShape shape_of(Family family) {
-  return {family, Cfg::kF.id, Cfg::kHeadTile, Cfg::kThreads, Cfg::kCandidateTile, Cfg::kSharedBytes, Cfg::kMinSplitSize};
+  return {family,           Cfg::kF.id,        Cfg::kHeadTile,         Cfg::kThreads, Cfg::kCandidateTile,
+          Cfg::kSharedBytes, Cfg::kMinSplitSize, Cfg::kLaneSlices};
 }
 
 #define JSMLA_PORTABLE_SHAPE(format, heads) shape_of<portable::PortableConfig<FormatId::format, heads>>(Family::kPortable),
@@ -69,27 +71,40 @@ constexpr int find_shape(Family family, FormatId format, int heads_per_block) {
   return -1;
 }
 
+// A Hopper instance with no portable instance of its (format, head tile): plans take its head tile only
+// where the Hopper family runs (the lane-sliced tile of dots3_swa, whose 64 heads no portable block holds).
+constexpr bool hopper_only(FormatId format, int heads_per_block) {
+  return find_shape(Family::kHopper, format, heads_per_block) >= 0 &&
+         find_shape(Family::kPortable, format, heads_per_block) < 0;
+}
+
 constexpr bool tables_consistent() {
   for (const KernelShape& k : kKernelShapes) {
     // The handler swaps a Hopper kernel in for the portable one of a plan (same splits): its tile is
-    // the twin's or a multiple of it (a split that is not whole tiles ends on a short one).
+    // the twin's or a multiple of it (a split that is not whole tiles ends on a short one). A Hopper-only
+    // instance takes every split (its tile divides the split granule); only it runs clusters.
     if (k.family == Family::kHopper) {
       const int twin = find_shape(Family::kPortable, k.format, k.heads_per_block);
-      if (twin < 0 || k.candidate_tile % kKernelShapes[twin].candidate_tile != 0) return false;
-    } else if (kSplitGranule % k.candidate_tile != 0) {
+      if (twin < 0 ? kSplitGranule % k.candidate_tile != 0 || k.min_split_size != 0
+                   : k.candidate_tile % kKernelShapes[twin].candidate_tile != 0 || k.cluster_blocks != 1) {
+        return false;
+      }
+    } else if (kSplitGranule % k.candidate_tile != 0 || k.cluster_blocks != 1) {
       return false;
     }
   }
   return true;
 }
 static_assert(tables_consistent(),
-              "every Hopper instance needs a portable twin whose candidate tile divides its own, and every "
-              "portable candidate tile must divide the split granule");
+              "every Hopper instance needs a portable twin whose candidate tile divides its own (or, Hopper-only, "
+              "a tile dividing the split granule and every split), and every portable candidate tile must divide "
+              "the split granule");
 
 // The family that runs a plan's (format, head tile, split size) on a device: the Hopper kernel when it
 // exists and takes splits of that size, the device is sm_90 with enough shared memory, the build
 // carries sm_90a code and JSMLA_CUDA_FAMILY does not ask for the portable family; the portable kernel
-// otherwise. `split_size`: candidate positions per split of a decode plan (a prefill plan's one split
+// otherwise (none for a Hopper-only head tile: the handler refuses such a plan, the planner does not
+// make one). `split_size`: candidate positions per split of a decode plan (a prefill plan's one split
 // covers the whole list).
 constexpr Family choose_family(FormatId format, int heads_per_block, int64_t split_size, int capability,
                                int max_shared_bytes, bool hopper_compiled, bool hopper_allowed) {

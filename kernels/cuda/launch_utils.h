@@ -31,18 +31,34 @@ class DeviceOnce {
 
 // Launches a kernel of any family over its (token, head tile, split) grid on `stream`, first raising the
 // kernel's dynamic shared-memory limit (once per device, through `raised`) when it needs more than the
-// default 48 KB. The caller has checked the plan and the buffers; the grid is never empty (T > 0).
+// default 48 KB. `cluster_blocks` > 1: each (token, head tile, split) is a cluster of that many
+// consecutive blocks. The caller has checked the plan and the buffers; the grid is never empty (T > 0).
 template <class Kernel>
 cudaError_t launch_split_kv_grid(Kernel* kernel, int threads, int shared_bytes, DeviceOnce& raised,
-                                 const SplitKvParams& p, cudaStream_t stream) {
+                                 const SplitKvParams& p, cudaStream_t stream, int cluster_blocks = 1) {
   if (shared_bytes > 48 * 1024) {
     const cudaError_t error = raised.run(
         [&] { return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes); });
     if (error != cudaSuccess) return error;
   }
   const int64_t blocks = p.attn.num_tokens * p.num_head_tiles * p.num_splits;
-  kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(p);
-  return cudaGetLastError();
+  if (cluster_blocks == 1) {
+    kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(p);
+    return cudaGetLastError();
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks * cluster_blocks));
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster_blocks;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, p);
 }
 
 }  // namespace jsmla::cuda

@@ -25,9 +25,9 @@
 
 namespace jsmla::cuda {
 
-template <FormatId kFormat, int kCandidateTile, int kThreads>
-struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
-  using Geometry = LoaderGeometry<kFormat, kCandidateTile, kThreads>;
+template <FormatId kFormat, int kCandidateTile, int kThreads, int kLaneSlices = 1>
+struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlices> {
+  using Geometry = LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlices>;
   using Geometry::kBf16Units;
   using Geometry::kExactScales;
   using Geometry::kF;
@@ -39,16 +39,21 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
   using Geometry::kUnits;
   using Geometry::kUnitsPerThread;
 
-  // Starts the copies of this thread's units of one candidate row (slot must be valid).
+  // Starts the copies of this thread's units of one candidate row (slot must be valid). kLaneSlices > 1:
+  // of lane slice `slice` of the row (its quantized bytes; the BF16 lanes in slice 0 only, whose staged
+  // units the other slices leave as they are) and the whole scale record (slice s's scales start
+  // s * kSliceScaleBytes into the slot).
   static JSMLA_DEVICE void issue(const CacheView& cache, int64_t slot, uint8_t* staged_row, uint8_t* scale_slot,
-                                 int sub) {
+                                 int sub, int slice = 0) {
     const uint8_t* row = cache.data_row(slot);
+    if constexpr (kLaneSlices > 1) row += slice * kF.quant_bytes();
 #pragma unroll
     for (int i = 0; i < kUnitsPerThread; ++i) {
       const int unit = sub + i * kThreadsPerRow;
+      if (kLaneSlices > 1 && slice > 0 && unit >= kQuantUnits) continue;
       if (unit < kUnits) {
         const uint8_t* source =
-            unit < kQuantUnits ? row + 16 * unit : row + kF.bf16_offset + 16 * (unit - kQuantUnits);
+            unit < kQuantUnits ? row + 16 * unit : row + kF.bf16_offset + 16 * (unit - kQuantUnits);  // slice 0
         cp_async_16(staged_row + 16 * unit, source);
       }
     }
@@ -62,6 +67,9 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
       }
     }
   }
+
+  // Bytes from a scale slot that issue() filled to the scales of lane slice 1 (0 without slices).
+  static constexpr int kSliceScaleBytes = kLaneSlices > 1 ? kNumGroups * kF.scale_bytes() : 0;
 
   // Writes this thread's units of one tile row: dequantized when `valid`, zeros otherwise.
   static JSMLA_DEVICE void convert(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot,
@@ -408,6 +416,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads> {
 
 // The loader of a kernel config's tile geometry (config.h sizes shared memory from the geometry alone).
 template <class Geometry>
-using TileLoaderOf = TileLoader<Geometry::kFormat, Geometry::kCandidateTile, Geometry::kThreads>;
+using TileLoaderOf = TileLoader<Geometry::kFormat, Geometry::kCandidateTile, Geometry::kThreads, Geometry::kLaneSlices>;
 
 }  // namespace jsmla::cuda

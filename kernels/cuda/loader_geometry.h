@@ -17,11 +17,13 @@ constexpr int scale_record_bytes(const FormatTraits& f) {
 
 // Thread `tid` of kThreads loader threads owns row tid / kThreadsPerRow of a kCandidateTile-row tile and
 // units sub, sub + kThreadsPerRow, ... of it, where a unit is 16 staged bytes: 16 FP8 values, 32 FP4
-// values (two per byte) or 8 BF16 values.
-template <FormatId kFormatValue, int kCandidateTileValue, int kThreadsValue>
+// values (two per byte) or 8 BF16 values. kLaneSlices > 1: the geometry of one lane slice of every row
+// (formats.h: lane_slice), which block of a cluster gathers which slice being a run-time value.
+template <FormatId kFormatValue, int kCandidateTileValue, int kThreadsValue, int kLaneSlicesValue = 1>
 struct LoaderGeometry {
   static constexpr FormatId kFormat = kFormatValue;
-  static constexpr FormatTraits kF = format_traits(kFormat);
+  static constexpr int kLaneSlices = kLaneSlicesValue;
+  static constexpr FormatTraits kF = lane_slice(format_traits(kFormat), kLaneSlices);
   static constexpr int kCandidateTile = kCandidateTileValue;
   static constexpr int kThreads = kThreadsValue;
   static constexpr int kThreadsPerRow = kThreads / kCandidateTile;
@@ -45,6 +47,8 @@ struct LoaderGeometry {
   static constexpr int kTilePitch = kF.d_qk + 8;
 
   static_assert(kF.quant_bits == 0 || kF.quant_bits == 8 || kF.quant_bits == 4, "FP8 or FP4 quantized lanes");
+  static_assert(kLaneSlices == 1 || splits_into_lane_slices(format_traits(kFormat), kLaneSlices),
+                "lane slices are whole FP8 scale groups of the rows' V lanes");
   static_assert(kThreads % kCandidateTile == 0, "every tile row needs the same number of loader threads");
   static_assert(kF.quant_bytes() % 16 == 0 && (2 * kF.bf16_dim) % 16 == 0, "payload must split into 16-byte units");
   static_assert(kF.bf16_offset % 16 == 0, "the BF16 lanes of a row must be 16-byte aligned for cp.async");

@@ -62,11 +62,16 @@ def test_every_format_matches_oracle_sanitize(rng, key, impl):
 @pytest.mark.parametrize("impl", VARIANTS)
 @pytest.mark.parametrize("key", HOPPER_FORMATS)
 def test_hopper_formats_match_oracle_sanitize(rng, key, impl):
-    """Two 64-head tiles (the Hopper family on an sm_90 GPU, the portable one elsewhere), a ragged
-    candidate list with masked slots and a sink."""
+    """Two 64-head tiles (the Hopper family on an sm_90 GPU, the portable one elsewhere; dots3_swa's
+    two-block cluster tile on sm_90 only), a ragged candidate list with masked slots and a sink."""
     tokens, topk = (6, 512) if impl == "decode" else (32, 128)
-    assert jsm.plan((tokens, 128, jsm.get_format(key).d_qk), key, topk, platform="cuda",
-                    impl=impl).heads_per_block == 64
+    hopper = planner.device_info("cuda").arch == kernel_tables.HOPPER_COMPUTE_CAPABILITY
+    if 64 in kernel_tables.HOPPER_ONLY_TILES[key] and not hopper:
+        pytest.skip(f"{key}'s 64-head tile runs on sm_90 only")
+    plan = jsm.plan((tokens, 128, jsm.get_format(key).d_qk), key, topk, platform="cuda", impl=impl)
+    assert plan.heads_per_block == 64
+    if hopper:
+        assert plan.family == "hopper"
     case = cases.make_case(rng, key, num_tokens=tokens, num_heads=128, topk=topk,
                            attn_sink=rng.standard_normal(128).astype(np.float32))
     case.check(impl)
@@ -139,6 +144,26 @@ def test_dual_cache_sanitize(rng, key, extra_key, num_heads, impl):
                            extra={"page_size": 2, "topk": 45, "cache_tokens": 101, "kv_format": extra_key},
                            attn_sink=rng.standard_normal(num_heads).astype(np.float32))
     case.check(impl)
+
+
+@gpu
+@pytest.mark.parametrize("impl", VARIANTS)
+def test_dots3_cluster_tile_sanitize(rng, impl):
+    """dots3_swa's 64-head tile on sm_90 (a cluster of two blocks, each over half of every row's lanes,
+    exchanging partial scores every tile): two head tiles with the second one half masked, ragged lists
+    (some empty, so some decode splits have no tile), masked slots, a sink and a padding token; the same
+    bits on a second run."""
+    if planner.device_info("cuda").arch != kernel_tables.HOPPER_COMPUTE_CAPABILITY:
+        pytest.skip("the 64-head dots3_swa tile runs on sm_90 only")
+    plan = jsm.plan((5, 96, 1088), "dots3_swa", 700, platform="cuda", impl=impl)
+    assert (plan.heads_per_block, plan.family) == (64, "hopper"), plan
+    lengths = np.array([700, 0, 37, 513, 300], np.int32)
+    case = cases.make_case(rng, "dots3_swa", num_tokens=5, num_heads=96, topk=700, topk_length=lengths,
+                           valid_tokens=np.int32(4), attn_sink=rng.standard_normal(96).astype(np.float32))
+    out, lse, _, _ = case.check(impl)
+    out2, lse2 = case.run(impl)
+    np.testing.assert_array_equal(out, out2)
+    np.testing.assert_array_equal(lse, lse2)
 
 
 @gpu

@@ -26,19 +26,37 @@ namespace jsmla::cuda::hopper {
 // Shared memory per block on sm_90 (opt-in maximum).
 inline constexpr int kMaxSharedBytes = 227 * 1024;
 
-// Formats the family serves: 512/576-wide FP8, FP4 or BF16 rows with power-of-two, E4M3, UE8M0 or
-// arbitrary FP32 scales (the latter in groups that tile each consumer's half of d_v; the 1088-wide rows
-// stay on the portable family).
-constexpr bool hopper_format(FormatId id) {
+// Blocks a (token, 64-head tile, split) takes: 1, or for rows whose V (d_v = 1024) a block's registers
+// do not hold, a cluster of 2 that splits every row's lanes (formats.h: lane_slice) — block r gathers and
+// converts slice r of every row (FP8 lanes [512 r, 512 r + 512), and block 0 the BF16 rope lanes),
+// computes the scores over its lanes, adds the other block's (exchanged through distributed shared
+// memory every tile: both blocks then hold the same scores bit for bit and run the same softmax) and
+// accumulates O over its slice's 512 V lanes, its half of the output columns.
+constexpr int hopper_lane_slices(FormatId id) {
   const FormatTraits f = format_traits(id);
+  return f.d_v == 1024 && splits_into_lane_slices(f, 2) ? 2 : 1;
+}
+
+// Formats the family serves: 512/576-wide FP8, FP4 or BF16 rows (or such lane slices of wider FP8 rows)
+// with power-of-two, E4M3, UE8M0 or arbitrary FP32 scales (the latter in groups that tile each
+// consumer's half of d_v, and whole rows only).
+constexpr bool hopper_format(FormatId id) {
+  const int slices = hopper_lane_slices(id);
+  const FormatTraits f = lane_slice(format_traits(id), slices);
   const bool exact_scales = row_conversion(f) == RowConversion::kExactScales;
   return (f.d_qk == 512 || f.d_qk == 576) && f.d_v == 512 &&
-         (!exact_scales || (f.group_size % 16 == 0 && 256 % f.group_size == 0));
+         (!exact_scales || (slices == 1 && f.group_size % 16 == 0 && 256 % f.group_size == 0));
 }
 
 template <FormatId kFormat, int kHeadTileValue>
 struct HopperConfig {
-  static constexpr FormatTraits kF = format_traits(kFormat);
+  // Blocks of a cluster, each serving one lane slice of every row (hopper_lane_slices); kF is the
+  // slice's traits (the format's own for one block), kRowDqk and kRowDv the format's row widths (Q's
+  // and the output's row strides).
+  static constexpr int kLaneSlices = hopper_lane_slices(kFormat);
+  static constexpr FormatTraits kF = lane_slice(format_traits(kFormat), kLaneSlices);
+  static constexpr int kRowDqk = format_traits(kFormat).d_qk;
+  static constexpr int kRowDv = format_traits(kFormat).d_v;
   static constexpr bool kTransposed = false;  // S = Q·Kᵀ with the heads as wgmma M (config_h16.h: the other way)
   static constexpr int kHeadTile = kHeadTileValue;  // wgmma M
   // BF16 rows need no conversion: the producer copies them straight into the swizzled tile buffers,
@@ -63,7 +81,7 @@ struct HopperConfig {
   static constexpr int kAtomBytes = 128;                     // one swizzle row: 64 BF16 values
 
   // The producer's geometry: a round of rows (a tile is kRounds rounds).
-  using Geometry = LoaderGeometry<kFormat, kRoundRows, kProducerThreads>;
+  using Geometry = LoaderGeometry<kFormat, kRoundRows, kProducerThreads, kLaneSlices>;
   static constexpr int kStages = 2;  // tile buffers (and score-bias rows)
   // P buffers (with their rows of rescale factors): two let the scorer write tile i + 1's P while the
   // second consumer reads tile i's; a 64-candidate tile leaves room for one, which the second consumer
@@ -90,7 +108,9 @@ struct HopperConfig {
   //   scale group of its columns;
   //   two staging areas of raw rows and two sets of per-thread scale slots (none for direct tiles), kStages
   //   score-bias rows, kPBuffers rows of rescale factors, the final row maxima and sums, two stages of
-  //   per-candidate mantissas and ratios (exact scales only; the ratios serve the portable family).
+  //   per-candidate mantissas and ratios (exact scales only; the ratios serve the portable family);
+  //   lane slices only: two score-exchange buffers (by tile parity), which the other block of the
+  //   cluster writes its partial scores into, and their two transaction barriers.
   static constexpr int kQBytes = kHeadTile * kDqk * 2;
   static constexpr int kQBlockBytes = kHeadTile * kAtomBytes;          // one 64-column block of Q
   static constexpr int kTileBytes = kCandidateTile * kDqk * 2;
@@ -102,6 +122,10 @@ struct HopperConfig {
   static constexpr int kRescaleBytes = kHeadTile * 4;                  // one factor per head row
   static constexpr int kFinalBytes = 2 * kHeadTile * 4;                // max and sum per head row
   static constexpr int kFactorBytes = Geometry::kFactorFloats * 4;     // one stage's mantissas and ratios
+  // One exchange buffer: the scorer's kCandidateTile / 2 partial scores a thread, as float4 runs
+  // [run][scorer thread] (a warp's 16-byte stores of one run are contiguous).
+  static constexpr int kExchangeBytes = kLaneSlices > 1 ? 128 * (kCandidateTile / 2) * 4 : 0;
+  static constexpr int kExchangeBarrierBytes = kLaneSlices > 1 ? 2 * 8 : 0;
   // Staged rows preferably sit an odd multiple of 64 bytes apart: a warp's cp.async (and later its
   // shared-memory loads) covers 8 rows × 64 contiguous bytes, which then fall into alternating halves
   // of the 32 banks, 4 wavefronts per instruction (a pitch that is a multiple of 128 bytes puts all 8
@@ -110,7 +134,7 @@ struct HopperConfig {
   static constexpr bool fits(int pitch) {
     return kQBytes + kStages * kTileBytes + kPBuffers * kPVariants * kPBytes + 2 * kCandidateTile * pitch +
                2 * kScaleSlotsBytes + kStages * kBiasBytes + kPBuffers * kRescaleBytes + kFinalBytes +
-               2 * kFactorBytes + 1024 <=
+               2 * kFactorBytes + 2 * kExchangeBytes + kExchangeBarrierBytes + 1024 <=
            kMaxSharedBytes;
   }
   static constexpr int kStagePitch = kDirectTiles ? 0 : fits(kPaddedPitch) ? kPaddedPitch : Geometry::kStagedRowBytes;
@@ -125,7 +149,9 @@ struct HopperConfig {
   static constexpr int kRescaleOffset = kBiasOffset + kStages * kBiasBytes;
   static constexpr int kFinalOffset = kRescaleOffset + kPBuffers * kRescaleBytes;
   static constexpr int kFactorOffset = kFinalOffset + kFinalBytes;
-  static constexpr int kUsedBytes = kFactorOffset + 2 * kFactorBytes;
+  static constexpr int kExchangeOffset = kFactorOffset + 2 * kFactorBytes;
+  static constexpr int kExchangeBarrierOffset = kExchangeOffset + 2 * kExchangeBytes;
+  static constexpr int kUsedBytes = kExchangeBarrierOffset + kExchangeBarrierBytes;
   static constexpr int kSharedBytes = kUsedBytes + 1024;  // slack to align the base to 1024 bytes
 
   // Named barriers (0 is __syncthreads).
@@ -178,6 +204,12 @@ struct HopperConfig {
   static_assert(kCandidateTile == 32 || kCandidateTile == 64, "the score accumulators are one m64n32 or m64n64 tile");
   static_assert(!kWideTiles || kDirectTiles, "64-candidate tiles need the shared memory a staging area would take");
   static_assert(kConsumerGroups == 2, "a scorer and a second P·V warpgroup, one half of d_v each");
+  static_assert(kLaneSlices == 1 || (kLaneSlices == 2 && !kExactScales && !kWideTiles && kScorerPVInFlight &&
+                                     kF.bf16_dim > 0 && kRowDv == kLaneSlices * kDv),
+                "lane slices: a two-block cluster of staged FP8 rows with power-of-two scales (one S chain "
+                "to exchange), slice 0 holding the BF16 lanes, each block one slice's columns of the output");
+  static_assert(kExchangeOffset % 16 == 0 && kExchangeBarrierOffset % 8 == 0,
+                "exchange buffers take 16-byte stores, transaction barriers are 8-byte words");
   static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
 };
 

@@ -43,6 +43,7 @@ struct HopperH16Config {
   // Splits shorter than a tile stay on the portable 16-head tile: half of every tile would be masked
   // rows (H200, T = 1, H = 16, 64 splits of 32: 11.4-11.6 µs here against 10.6-11.1 there).
   static constexpr int kMinSplitSize = kCandidateTile;
+  static constexpr int kLaneSlices = 1;  // one block per (token, head tile, split)
   static constexpr int kRoundRows = 32;      // rows of a tile one producer warpgroup converts (4 threads a row)
   static constexpr int kProducerGroups = 2;
   static constexpr int kProducerThreads = 128 * kProducerGroups;

@@ -61,17 +61,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // results before reading them).
   allow_dependent_launch();
   const AttentionParams& a = p.attn;
-  const BlockCoordinates coordinates(p);
+  // Lane slices (config.h): the blocks of a cluster share its (token, head tile, split), block `slice`
+  // serving that lane slice of every row.
+  constexpr int kSlices = Cfg::kLaneSlices;
+  const int slice = kSlices > 1 ? static_cast<int>(cluster_rank()) : 0;
+  const BlockCoordinates coordinates(p, blockIdx.x / kSlices);
   const int64_t token = coordinates.token;
   const int head_begin = coordinates.head_tile * Cfg::kHeadTile;
   const int num_heads = a.num_heads;
 
   if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
-    write_padding_rows<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
+    if (slice == 0) write_padding_rows<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
     return;
   }
 
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
+  // Lane slices: the score-exchange buffers [tile parity] (the other block stores its partial scores
+  // into this block's, counted on this block's transaction barrier of that parity), initialised before
+  // either block of the cluster goes on.
+  auto exchange_buffer = [&](int x) { return reinterpret_cast<float*>(smem + Cfg::kExchangeOffset + x * Cfg::kExchangeBytes); };
+  auto exchange_barrier = [&](int x) { return reinterpret_cast<uint64_t*>(smem + Cfg::kExchangeBarrierOffset) + x; };
+  if constexpr (kSlices > 1) {
+    if (threadIdx.x == 0) {
+      transaction_barrier_init(exchange_barrier(0), 1);
+      transaction_barrier_init(exchange_barrier(1), 1);
+    }
+    cluster_sync();
+  }
 
   if (threadIdx.x < Cfg::kProducerThreads) {
     // ------------------------------------------------------------------ producer warpgroup
@@ -84,7 +100,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     };
     auto issue_row = [&](const PendingRow& row, int b) {
       const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
-      if (valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row(b), scale_slot(b), load_sub);
+      if (valid) {
+        Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row(b), scale_slot(b), load_sub,
+                      slice);
+      }
       cp_async_commit();
       return valid;
     };
@@ -148,6 +167,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         read_rows(pending, refill + 1);
       }
     } else {
+      if constexpr (kSlices > 1) {
+        // Slices past 0 never gather the BF16 lanes (slice 0's): their staged units stay zero, so the
+        // tile's BF16 columns are zero, as is this block's Q there.
+        if (slice > 0) {
+#pragma unroll
+          for (int u = 0; u < Loader::kUnitsPerThread; ++u) {
+            const int unit = load_sub + u * Loader::kThreadsPerRow;
+            if (unit < Loader::kQuantUnits || unit >= Loader::kUnits) continue;
+            for (int b = 0; b < 2; ++b) *reinterpret_cast<uint4*>(staged_row(b) + 16 * unit) = make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
       // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
       uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
       staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
@@ -158,7 +189,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
         uint8_t* const tile = tile_buffer(b);
         const bool valid = (staged_valid >> b) & 1u;
-        Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b), load_sub, [&](int dim, uint4 values) {
+        Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b) + slice * Loader::kSliceScaleBytes, load_sub, [&](int dim, uint4 values) {
           *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
         });
         if (load_sub == 0) {
@@ -185,8 +216,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // in flight at once, so the load costs one round trip (the handler checks that q is 16-byte aligned).
   {
     constexpr int kConsumerThreads = 128 * Cfg::kConsumerGroups;
-    copy_q_rows<Cfg::kHeadTile, Cfg::kDqk, kConsumerThreads>(q_smem, a.q, token, num_heads, head_begin,
-                                                             consumer_thread);
+    copy_q_rows<Cfg::kHeadTile, Cfg::kDqk, kConsumerThreads, kSlices, Cfg::kRowDqk>(q_smem, a.q, token, num_heads,
+                                                                                 head_begin, consumer_thread, slice);
     fence_proxy_async_shared();
     named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
   }
@@ -351,6 +382,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             wgmma_wait_all();
             fence_registers(score_registers);
             if constexpr (Cfg::kScorerPVInFlight) previous_pv_registers();
+            if constexpr (kSlices > 1) {
+              // The other block's partial scores of this tile (its lanes) arrive in exchange buffer
+              // i % 2 as this block's go into its: S = S_0 + S_1 in both blocks (an addition of two
+              // terms gives the same bits in either order). A buffer is written again two tiles later,
+              // after the other block has received this block's scores of the tile between, which it
+              // sends only once it has read the buffer.
+              constexpr int kRuns = kN / 8;  // float4 runs of a thread's scores
+              const int x = i & 1;
+              float* const theirs = exchange_buffer(x);
+              uint64_t* const arrived = exchange_barrier(x);
+              if (consumer_thread == 0) transaction_barrier_arrive_expect(arrived, Cfg::kExchangeBytes);
+              const uint32_t other = static_cast<uint32_t>(slice ^ 1);
+              const uint32_t remote = cluster_address(theirs, other);
+              const uint32_t remote_barrier = cluster_address(arrived, other);
+#pragma unroll
+              for (int run = 0; run < kRuns; ++run) {
+                store_remote_async(remote + (run * Cfg::kScorerThreads + consumer_thread) * 16,
+                                   make_float4(score_registers[4 * run], score_registers[4 * run + 1],
+                                               score_registers[4 * run + 2], score_registers[4 * run + 3]),
+                                   remote_barrier);
+              }
+              transaction_barrier_wait(arrived, (i >> 1) & 1);
+#pragma unroll
+              for (int run = 0; run < kRuns; ++run) {
+                const float4 other_scores =
+                    *reinterpret_cast<const float4*>(theirs + 4 * (run * Cfg::kScorerThreads + consumer_thread));
+                score_registers[4 * run] += other_scores.x;
+                score_registers[4 * run + 1] += other_scores.y;
+                score_registers[4 * run + 2] += other_scores.z;
+                score_registers[4 * run + 3] += other_scores.w;
+              }
+            }
           }
 
           // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
@@ -459,8 +522,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         softmax.row_sum[r] = final_state[Cfg::kHeadTile + rows[r]];
       }
     }
-    store_rows<Cfg::kDv>(p, token, coordinates.split, {head_begin + rows[0], head_begin + rows[1]},
-                         group * Cfg::kDvPerGroup + 2 * (lane % 4), group == 0 && lane % 4 == 0, softmax, out_acc);
+    store_rows<Cfg::kRowDv>(p, token, coordinates.split, {head_begin + rows[0], head_begin + rows[1]},
+                            slice * Cfg::kDv + group * Cfg::kDvPerGroup + 2 * (lane % 4),
+                            slice == 0 && group == 0 && lane % 4 == 0, softmax, out_acc);
   };
   if (consumer_thread < Cfg::kScorerThreads) {
     consume(std::integral_constant<int, 0>{});
@@ -480,6 +544,9 @@ cudaError_t launch_sparse_mla_hopper(const SplitKvParams& p, cudaStream_t stream
   if constexpr (Cfg::kTransposed) {  // the 16-head tile (sparse_mla_h16_kernel.cuh)
     return launch_split_kv_grid(&sparse_mla_hopper_h16_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes,
                                 shared_memory_raised, p, stream);
+  } else if constexpr (Cfg::kLaneSlices > 1) {  // clusters of kLaneSlices blocks, one per lane slice
+    return launch_split_kv_grid(&sparse_mla_hopper_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes, shared_memory_raised,
+                                p, stream, Cfg::kLaneSlices);
   } else {
     return launch_split_kv_grid(&sparse_mla_hopper_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes, shared_memory_raised,
                                 p, stream);

@@ -1,6 +1,7 @@
 // PTX wrappers of the Hopper family (sm_90a only): shared-memory matrix descriptors, the wgmma
-// shapes the kernels issue, wgmma fences and groups, the generic→async proxy fence and register
-// reallocation. Every wrapper is `asm volatile`, so the compiler keeps their order. Also the swizzled
+// shapes the kernels issue, wgmma fences and groups, the generic→async proxy fence, register
+// reallocation, and the cluster pieces of the lane-sliced tile (transaction barriers, stores into the
+// other block's shared memory, the cluster barrier). Every wrapper is `asm volatile`, so the compiler keeps their order. Also the swizzled
 // operand layout both Hopper kernels write Q in, and their Q copy into it.
 #pragma once
 
@@ -57,13 +58,27 @@ JSMLA_DEVICE int swizzled_offset(int row, int dim, int rows) {
 // 128-byte swizzled operand at q_smem with kThreads threads (`thread` of them), every 16-byte chunk's
 // cp.async in flight at once (one round trip; the handler checks that q is 16-byte aligned), and waits
 // for this thread's copies. The caller then fences them into the async proxy and meets the other
-// copying threads at a barrier.
-template <int kRows, int kDqk, int kThreads>
+// copying threads at a barrier. kSlices > 1 (lane slices, config.h): q rows are kRowDqk wide (kSlices
+// runs of quantized lanes, then the trailing BF16 lanes) and the operand is lane slice `slice` of them:
+// the slice's quantized lanes, then the trailing lanes in slice 0 and zeros in the others.
+template <int kRows, int kDqk, int kThreads, int kSlices = 1, int kRowDqk = kDqk>
 JSMLA_DEVICE void copy_q_rows(uint8_t* q_smem, const uint16_t* q, int64_t token, int num_heads, int head_begin,
-                              int thread) {
+                              int thread, int slice = 0) {
   constexpr int kChunksPerRow = kDqk / 8;
   constexpr int kChunksPerThread = kRows * kChunksPerRow / kThreads;
   static_assert(kRows * kChunksPerRow % kThreads == 0, "every copying thread copies as many Q chunks");
+  static_assert(kSlices == 1 ? kRowDqk == kDqk : (kRowDqk - kDqk) % (kSlices - 1) == 0,
+                "a row is kSlices equal runs of quantized lanes and the trailing lanes");
+  constexpr int kQuantLanes = kSlices == 1 ? kDqk : (kRowDqk - kDqk) / (kSlices - 1);  // a slice's
+  static_assert(kQuantLanes % 8 == 0 && kQuantLanes <= kDqk, "a 16-byte chunk lies in one run of lanes");
+  // q's column of operand column `dim` (a multiple of 8), or -1 for a zero chunk.
+  auto source_dim = [&](int dim) {
+    if constexpr (kSlices == 1) {
+      return dim;
+    } else {
+      return dim < kQuantLanes ? slice * kQuantLanes + dim : (slice == 0 ? kSlices * kQuantLanes + (dim - kQuantLanes) : -1);
+    }
+  };
 #pragma unroll
   for (int i = 0; i < kChunksPerThread; ++i) {
     const int c = thread + i * kThreads;
@@ -71,8 +86,9 @@ JSMLA_DEVICE void copy_q_rows(uint8_t* q_smem, const uint16_t* q, int64_t token,
     const int dim = (c % kChunksPerRow) * 8;
     const int head = head_begin + row;
     uint8_t* const chunk = q_smem + swizzled_offset(row, dim, kRows);
-    if (head < num_heads) {
-      cp_async_16(chunk, q + (token * num_heads + head) * kDqk + dim);
+    const int from = source_dim(dim);
+    if (head < num_heads && (kSlices == 1 || from >= 0)) {
+      cp_async_16(chunk, q + (token * num_heads + head) * kRowDqk + from);
     } else {
       *reinterpret_cast<uint4*>(chunk) = make_uint4(0, 0, 0, 0);
     }
@@ -248,6 +264,62 @@ JSMLA_DEVICE void wgmma_ss_mn(float (&d)[kCount], SmemDescriptor a, SmemDescript
   } else {
     wgmma_m64n128k16_ss_mn(d, a, b, accumulate);
   }
+}
+
+// ---- clusters (the lane-sliced tile, config.h: hopper_lane_slices) ----
+
+// This block's rank in its cluster.
+JSMLA_DEVICE uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+
+// The shared::cluster address of `local` (this block's shared memory) in block `rank`'s shared memory.
+JSMLA_DEVICE uint32_t cluster_address(const void* local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
+  return remote;
+}
+
+// Every thread of the cluster's blocks that has not exited arrives, then waits for the others: release
+// and acquire order this block's shared-memory writes (barrier initialisation included) before the
+// other block's accesses.
+JSMLA_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// A transaction barrier (an mbarrier in this block's shared memory) expecting `arrivals` arrivals a
+// phase; the initialisation is made visible to the cluster (before a cluster_sync).
+JSMLA_DEVICE void transaction_barrier_init(uint64_t* barrier, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival at `barrier` that also expects `bytes` more bytes of stores this phase (they may have
+// landed already: the phase completes once every arrival is in and every expected byte has landed).
+JSMLA_DEVICE void transaction_barrier_arrive_expect(uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+}
+
+// Waits until the phase of `barrier` with parity `parity` has completed (its stores are then visible).
+JSMLA_DEVICE void transaction_barrier_wait(uint64_t* barrier, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(shared_address(barrier)),
+      "r"(parity)
+      : "memory");
+}
+
+// Stores 16 bytes at shared::cluster address `remote` (another block's shared memory) and counts them
+// on that block's transaction barrier at shared::cluster address `remote_barrier`.
+JSMLA_DEVICE void store_remote_async(uint32_t remote, float4 value, uint32_t remote_barrier) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                   remote),
+               "f"(value.x), "f"(value.y), "f"(value.z), "f"(value.w), "r"(remote_barrier)
+               : "memory");
 }
 
 }  // namespace jsmla::cuda::hopper

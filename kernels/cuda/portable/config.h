@@ -56,6 +56,7 @@ struct PortableConfig {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kCandidateTile = candidate_tile(kFormat);
   static constexpr int kMinSplitSize = 0;  // every split (kernel_table.h: choose_family)
+  static constexpr int kLaneSlices = 1;    // one block per (token, head tile, split)
   static constexpr int kDqk = kF.d_qk;
   static constexpr int kDv = kF.d_v;
   static constexpr int kKStepsPerWarp = kDqk / 16 / kDSplits;  // m16n8k16 k-steps of S per warp

@@ -9,7 +9,7 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --profile | --profile-small |
+// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --profile | --profile-small |
 //      --profile-bf16]   (exit code 0
 // only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
@@ -17,7 +17,9 @@
 //   dsv3_2 H=128 rows of --headline (decode and prefill variant at T=128, prefill T=4096), for builds
 //   that leave a stage of the kernel out to see what it costs; --h16: the 16-head tiles (portable, and
 //   the Hopper family's where it exists) at tensor-parallel shard shapes (T=1..128, H=16/32) over
-//   several split counts; --profile: see below. Every 16-head plan runs on both families' tiles.
+//   several split counts; --dots3: dots3_swa's window at T=128 and T=1 (H=128) on the portable 32-head
+//   tile and the Hopper-only 64-head cluster tile, beside dsv3_2 over as many candidates (time per
+//   FLOP); --profile: see below. Every 16-head plan runs on both families' tiles.
 // JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
 // dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
 #include <cuda_runtime.h>
@@ -765,6 +767,37 @@ int main(int argc, char** argv) {
     }
     return g_failed ? 1 : 0;
   }
+  if (mode == "--dots3") {  // dots3_swa's 513-candidate window on both families, beside dsv3_2 on 513 candidates
+    const Fp8Table fp8;
+    const FormatTraits& f3 = format_traits(FormatId::kDots3Swa);
+    HostCache dots3 = build_cache(f3, 4096, 64, f3.data_row_bytes, 64 * f3.bytes_per_token, 7, fp8);
+    Problem pr{"dots3_swa T=128 H=128 k=2048", FormatId::kDots3Swa, 128, 128, 2048, 0, 0.0303f, false, false, -1, 0.0, 4};
+    DeviceProblem d = make_problem(pr, &dots3, nullptr, 64);
+    for (const Plan& plan : {Plan{2, 32}, decode_plan(32, 2048, 1), on_hopper(Plan{2, 64}),
+                             on_hopper(decode_plan(64, 2048, 1))}) {
+      run_case(d, plan, {0, 37, 127}, 15);
+    }
+    release(d);
+    Problem pr1{"dots3_swa T=1 H=128 k=2048", FormatId::kDots3Swa, 1, 128, 2048, 0, 0.0303f, false, false, -1, 0.0, 8};
+    DeviceProblem d1 = make_problem(pr1, &dots3, nullptr, 65);
+    for (int splits : {4, 8}) {
+      run_case(d1, decode_plan(32, 2048, splits), {0}, 15);
+      run_case(d1, on_hopper(decode_plan(64, 2048, splits)), {0}, 15);
+    }
+    release(d1);
+    cudaFree(dots3.device);
+    HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
+    Problem prd{"dsv3_2 T=128 H=128 k=513", FormatId::kDsv32, 128, 128, 513, 0, 0.0417f, false, false, -1, 0.0, 4};
+    DeviceProblem dd = make_problem(prd, &cache, nullptr, 66);
+    run_case(dd, on_hopper(Plan{2, 64}), {0, 37, 127}, 15);
+    release(dd);
+    cudaFree(cache.device);
+    for (const Row& r : g_rows) {
+      std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
+                  r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
+    }
+    return g_failed ? 1 : 0;
+  }
   if (mode == "--profile" || mode == "--headline" || mode == "--ablate") {
     const bool profile = mode == "--profile";
     const bool ablate = mode == "--ablate";  // only the dsv3_2 H=128 rows
@@ -1028,11 +1061,23 @@ int main(int argc, char** argv) {
     run_case(d, decode_plan(32, 1024, 4), all_tokens(4), 0);
     run_case(d, Plan{2, 32}, all_tokens(4), 0);
     run_case(d, Plan{2, 16}, all_tokens(4), 0);
+    // The Hopper-only 64-head tile (a two-block cluster splitting every row's lanes): 32 of its heads masked.
+    run_case(d, on_hopper(decode_plan(64, 1024, 4)), all_tokens(4), 0);
+    run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
     release(d);
     Problem pr7{"dots3_swa T=3 H=7 k=600", FormatId::kDots3Swa, 3, 7, 600, 0, 0.0303f, false, true};
     DeviceProblem d7 = make_problem(pr7, &cache, nullptr, 62);
     run_case(d7, decode_plan(16, 600, 2), all_tokens(3), 0);
+    run_case(d7, on_hopper(decode_plan(64, 600, 2)), all_tokens(3), 0);
     release(d7);
+    if (!sanitize) {  // two head tiles, a sink, lengths, one split and a split of one candidate tile
+      Problem pr2{"dots3_swa T=2 H=128 k=1024 sink+len", FormatId::kDots3Swa, 2, 128, 1024, 0, 0.0303f, true, true};
+      DeviceProblem d2 = make_problem(pr2, &cache, nullptr, 63);
+      run_case(d2, on_hopper(decode_plan(64, 1024, 1)), all_tokens(2), 0);
+      run_case(d2, on_hopper(decode_plan(64, 1024, 16)), all_tokens(2), 0);
+      run_case(d2, on_hopper(Plan{2, 64}), all_tokens(2), 0);
+      release(d2);
+    }
     cudaFree(cache.device);
   }
   // ---- bf16 caches ----
