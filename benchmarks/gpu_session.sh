@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_session.sh smoke          # build + GPU smoke tier + smoke benchmark
 #   bash benchmarks/gpu_session.sh full           # build + full GPU matrix
 #   bash benchmarks/gpu_session.sh sanitize       # build + compute-sanitizer memcheck, racecheck and
-#                                                 # synccheck on the tests named *sanitize*, and racecheck
+#                                                 # synccheck on the tests named *sanitize* (JSMLA_SANITIZE_
+#                                                 # MEMCHECK / _FILTER narrow them), and racecheck
 #                                                 # on kernels/cuda/tests/racecheck_probe.cu's hand-overs
 #   bash benchmarks/gpu_session.sh soak           # build + tests/gpu/soak.py (20 000 random launches
 #                                                 # under a watchdog, every 100th checked on the CPU)
@@ -154,13 +155,14 @@ case "$mode" in
     done
     ;;
   sanitize)
-    # memcheck over every *sanitize* test; racecheck and synccheck (slower: every shared-memory access
-    # and barrier is tracked) over those of JSMLA_SANITIZE_FILTER (default: one FP8, one FP4 and one BF16
-    # format, each on the 16-head portable kernels and on the 128-head Hopper tiles).
+    # memcheck over every *sanitize* test (JSMLA_SANITIZE_MEMCHECK: another pytest -k selection); racecheck
+    # and synccheck (slower: every shared-memory access and barrier is tracked) over those of
+    # JSMLA_SANITIZE_FILTER (default: one FP8, one FP4 and one BF16 format, each on the 16-head portable
+    # kernels and on the 128-head Hopper tiles, and dots3_swa's cluster tile).
     export JSMLA_SANITIZE=1
-    filter=${JSMLA_SANITIZE_FILTER:-sanitize and (dsv3_2 or dsv4_nvfp4 or bf16_576)}
+    filter=${JSMLA_SANITIZE_FILTER:-sanitize and (dsv3_2 or dsv4_nvfp4 or bf16_576 or dots3)}
     for tool in memcheck racecheck synccheck; do
-      selection="sanitize"
+      selection="${JSMLA_SANITIZE_MEMCHECK:-sanitize}"
       [ "$tool" = memcheck ] || selection="$filter"
       extra=""
       [ "$tool" = memcheck ] && extra="--leak-check no"
