@@ -5,6 +5,11 @@
 // at step i + 2, after both have passed the hand-over for b ^ 1 at step i + 1 (the scorer's row
 // factors and the second consumer, hopper/sparse_mla_kernel.cuh). Modes:
 //   counted   named_barrier_sync(id, 256), the kernels' non-aligned barrier.sync with a thread count;
+//   cluster   `counted` in each block of a two-block cluster (the lane-sliced Hopper tile's launch: its
+//             blocks' hand-overs are these, inside each block);
+//   exchange  `cluster`, and before each hand-over warpgroup 1 of each block receives 16 bytes a thread
+//             from the other block (st.async into this block's buffer b, counted on its transaction
+//             barrier b; the lane-sliced tile's score exchange) and folds them into the value it writes;
 //   aligned   bar.sync id, 256 (the aligned form);
 //   arrive    one slot handed back and forth by arrive/sync pairs, the 64-head kernel's one-P-buffer
 //             path (its row_rescale): warpgroup 1 waits on `free` (from step 1), writes, arrives on
@@ -22,16 +27,19 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/hopper/wgmma.cuh"
 
 namespace {
 
-enum class Mode { kCounted, kAligned, kArrive, kBlock, kNone };
+enum class Mode { kCounted, kAligned, kArrive, kBlock, kNone, kCluster, kExchange };
 constexpr int kSteps = 16;
 constexpr int kRows = 64;
 
 __device__ void hand_over(Mode mode, int b) {
   switch (mode) {
     case Mode::kCounted:
+    case Mode::kCluster:
+    case Mode::kExchange:
       jsmla::cuda::named_barrier_sync(6 + b, 256);
       break;
     case Mode::kAligned:
@@ -64,9 +72,30 @@ __global__ void __launch_bounds__(384, 1) probe(Mode mode, float* sums) {
     if (group == 2) sums[t] = sum;
     return;
   }
+  // kExchange: the other block's step number, received every step (exact: it is this block's too).
+  __shared__ __align__(16) float exchange[2][128 * 4];
+  __shared__ __align__(8) uint64_t arrived[2];
+  namespace hopper = jsmla::cuda::hopper;
+  if (mode == Mode::kExchange) {
+    if (threadIdx.x == 0) {
+      hopper::transaction_barrier_init(&arrived[0], 1);
+      hopper::transaction_barrier_init(&arrived[1], 1);
+    }
+    hopper::cluster_sync();
+  }
   for (int i = 0; i < kSteps; ++i) {
     const int b = i & 1;
-    if (group == 1 && t % 2 == 0) slot[b][t / 2] = static_cast<float>(i * kRows + t / 2);
+    float received = static_cast<float>(i);
+    if (mode == Mode::kExchange && group == 1) {
+      if (t == 0) hopper::transaction_barrier_arrive_expect(&arrived[b], 128 * 16);
+      const uint32_t other = hopper::cluster_rank() ^ 1u;
+      const float step = static_cast<float>(i);
+      hopper::store_remote_async(hopper::cluster_address(&exchange[b][4 * t], other), make_float4(step, step, step, step),
+                                 hopper::cluster_address(&arrived[b], other));
+      hopper::transaction_barrier_wait(&arrived[b], (i >> 1) & 1);
+      received = exchange[b][4 * t + 3];
+    }
+    if (group == 1 && t % 2 == 0) slot[b][t / 2] = static_cast<float>(i * kRows + t / 2) + (received - static_cast<float>(i));
     if (mode == Mode::kBlock) {
       __syncthreads();
     } else if (group > 0) {
@@ -75,7 +104,7 @@ __global__ void __launch_bounds__(384, 1) probe(Mode mode, float* sums) {
     if (group == 2) sum += slot[b][t / 2];
     if (mode == Mode::kBlock) __syncthreads();  // the reads of slot[b] before its next write
   }
-  if (group == 2) sums[t] = sum;
+  if (group == 2) sums[blockIdx.x * 128 + t] = sum;
 }
 
 }  // namespace
@@ -93,23 +122,43 @@ int main(int argc, char** argv) {
     mode = Mode::kBlock;
   } else if (!std::strcmp(name, "none")) {
     mode = Mode::kNone;
+  } else if (!std::strcmp(name, "cluster")) {
+    mode = Mode::kCluster;
+  } else if (!std::strcmp(name, "exchange")) {
+    mode = Mode::kExchange;
   } else {
-    std::fprintf(stderr, "mode: counted, aligned, arrive, block or none (got %s)\n", name);
+    std::fprintf(stderr, "mode: counted, aligned, arrive, block, none, cluster or exchange (got %s)\n", name);
     return 2;
   }
+  const bool clustered = mode == Mode::kCluster || mode == Mode::kExchange;
+  const int blocks = clustered ? 2 : 1;
   float* sums = nullptr;
-  if (cudaMalloc(&sums, 128 * sizeof(float)) != cudaSuccess) return 1;
-  probe<<<1, 384>>>(mode, sums);
-  float host[128];
-  if (cudaMemcpy(host, sums, sizeof(host), cudaMemcpyDeviceToHost) != cudaSuccess) {
+  if (cudaMalloc(&sums, blocks * 128 * sizeof(float)) != cudaSuccess) return 1;
+  if (clustered) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(2);
+    config.blockDim = dim3(384);
+    cudaLaunchAttribute attribute = {};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = 2;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    if (cudaLaunchKernelEx(&config, probe, mode, sums) != cudaSuccess) return 1;
+  } else {
+    probe<<<1, 384>>>(mode, sums);
+  }
+  float host[256];
+  if (cudaMemcpy(host, sums, blocks * 128 * sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) {
     std::fprintf(stderr, "%s: launch failed: %s\n", name, cudaGetErrorString(cudaGetLastError()));
     return 1;
   }
   cudaFree(sums);
   int wrong = 0;
-  for (int t = 0; t < 128 && mode != Mode::kNone; ++t) {
+  for (int t = 0; t < blocks * 128 && mode != Mode::kNone; ++t) {
     float want = 0.0f;
-    for (int i = 0; i < kSteps; ++i) want += static_cast<float>(i * kRows + t / 2);
+    for (int i = 0; i < kSteps; ++i) want += static_cast<float>(i * kRows + t % 128 / 2);
     wrong += host[t] != want;
   }
   std::printf("racecheck_probe %s: %s\n", name, mode == Mode::kNone ? "ran (values not checked)" : wrong ? "WRONG VALUES" : "values right");
