@@ -700,6 +700,15 @@ void check_dequantization() {
   g_failed |= mismatches != 0;
 }
 
+// The timed modes' table (one line a case: plan, checks, median µs, TFLOP/s); the exit status.
+int print_timed_rows() {
+  for (const Row& r : g_rows) {
+    std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
+                r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
+  }
+  return g_failed ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -761,11 +770,7 @@ int main(int argc, char** argv) {
     for (int splits : {1, 2, 3}) run_case(df, decode_plan(16, 2048, splits), {0, 127}, 15);
     release(df);
     cudaFree(nvfp4.device);
-    for (const Row& r : g_rows) {
-      std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
-                  r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
-    }
-    return g_failed ? 1 : 0;
+    return print_timed_rows();
   }
   if (mode == "--dots3") {  // dots3_swa's 513-candidate window on both families, beside dsv3_2 on 513 candidates
     const Fp8Table fp8;
@@ -792,11 +797,7 @@ int main(int argc, char** argv) {
     run_case(dd, on_hopper(Plan{2, 64}), {0, 37, 127}, 15);
     release(dd);
     cudaFree(cache.device);
-    for (const Row& r : g_rows) {
-      std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
-                  r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
-    }
-    return g_failed ? 1 : 0;
+    return print_timed_rows();
   }
   if (mode == "--profile" || mode == "--headline" || mode == "--ablate") {
     const bool profile = mode == "--profile";
@@ -863,11 +864,7 @@ int main(int argc, char** argv) {
     DeviceProblem dp = make_problem(prp, &cache, nullptr, 18);
     run_case(dp, on_hopper(Plan{2, 64}), {0, 4095}, 5);
     release(dp);
-    for (const Row& r : g_rows) {
-      std::printf("%-30s %-30s %-5s %10.1f us %7.1f TFLOP/s\n", r.name.c_str(), r.plan.c_str(),
-                  r.errors.ok() && r.deterministic ? "PASS" : "FAIL", r.micros, r.tflops);
-    }
-    return g_failed ? 1 : 0;
+    return print_timed_rows();
   }
   const bool quick = mode == "--quick" || sanitize;
   std::printf("device: %s (sm_%d%d, %d SMs, L2 %d MB)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
