@@ -13,7 +13,10 @@
 # (`flashmla_anchor.py 128 128 prefill`); h16 profiles the 16-head portable tile instead (dsv3_2 T = 128 H = 16, 1 split:
 # the first launch of `portable_check --h16`, after that mode's timings), h16h the Hopper family's
 # 16-head tile on the same case, beside FlashMLA's kernel on the same shape (its heads padded to 64:
-# `flashmla_anchor.py 128 16`).
+# `flashmla_anchor.py 128 16`); dots3 the `dots3_swa` cluster tile (T = 128, H = 128 prefill over its
+# 513-candidate window: the first Hopper launch of `portable_check --dots3`, after that mode's timings;
+# its two blocks are one cluster each), and `dsv3_2`'s 64-head tile over 513 candidates (the mode's
+# last case) as "flashmla"'s column: no FlashMLA kernel serves these rows.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_profile_hopper}
@@ -29,7 +32,8 @@ case "${JSMLA_PROFILE_SHAPE:-h128}" in
   h16h) check_mode=--h16; ours="sparse_mla_hopper_h16 0 1 $build/portable_check --h16"; flash_heads=16 ;;
   bf16) check_mode=--profile-bf16; ours="sparse_mla_hopper 0 1 $build/portable_check --profile-bf16"
         flash_heads="128 prefill" ;;
-  *) echo "JSMLA_PROFILE_SHAPE: h128, h16, h16h or bf16"; exit 2 ;;
+  dots3) check_mode=--dots3; ours="sparse_mla_hopper 0 1 $build/portable_check --dots3"; flash_heads="" ;;
+  *) echo "JSMLA_PROFILE_SHAPE: h128, h16, h16h, bf16 or dots3"; exit 2 ;;
 esac
 (cd "$repo" && BUILD=$build SKIP_SANITIZE=1 OUT="$out/check" \
    bash kernels/cuda/tests/build_and_check.sh "$check_mode" > "$out/headline.log" 2>&1)
@@ -51,7 +55,12 @@ profile() {  # name, kernel regex, launches to skip, launches to profile, comman
 # h128: decode (1 split), then prefill, each run twice (determinism); h16: the first decode launch
 # shellcheck disable=SC2086
 profile ours $ours
-if flashmla_ready; then
+if [ -z "$flash_heads" ]; then
+  # dots3: the reference is our dsv3_2 kernel on 513 candidates, the first launch of --dots3's last
+  # Hopper case; each of the 4 dots3_swa Hopper cases before it launches 125 times (2 checked, 3 warm-up,
+  # 15 timed batches of 8: portable_check.cu, run_case).
+  profile flashmla "sparse_mla_hopper" $((4 * 125)) 1 "$build/portable_check" --dots3
+elif flashmla_ready; then
   flash_kernel=flash_fwd_splitkv_mla_fp8_sparse
   [ "${JSMLA_PROFILE_SHAPE:-h128}" = bf16 ] && flash_kernel=sparse_attn_fwd_kernel
   # shellcheck disable=SC2086  # $flash_heads is the head count, and "prefill" for the bf16 shape
