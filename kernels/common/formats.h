@@ -138,8 +138,8 @@ constexpr FormatTraits lane_slice(const FormatTraits& f, int slices) {
   return s;
 }
 
-// Whether a format splits into `slices` such slices: whole scale groups and V lanes in each, and V
-// being exactly the quantized lanes (each slice's V is its own quantized lanes).
+// Whether a format splits into `slices` such slices: FP8 lanes, whole scale groups and 16-lane steps in
+// each, and V being exactly the quantized lanes (each slice's V is its own quantized lanes).
 constexpr bool splits_into_lane_slices(const FormatTraits& f, int slices) {
   return slices >= 1 && f.quant_dim % slices == 0 && f.num_groups % slices == 0 && f.d_v == f.quant_dim &&
          f.quant_bits == 8 && (f.quant_dim / slices) % 16 == 0;

@@ -53,7 +53,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
       if (kLaneSlices > 1 && slice > 0 && unit >= kQuantUnits) continue;
       if (unit < kUnits) {
         const uint8_t* source =
-            unit < kQuantUnits ? row + 16 * unit : row + kF.bf16_offset + 16 * (unit - kQuantUnits);  // slice 0
+            unit < kQuantUnits ? row + 16 * unit : row + kF.bf16_offset + 16 * (unit - kQuantUnits);  // BF16: slice 0 only
         cp_async_16(staged_row + 16 * unit, source);
       }
     }
