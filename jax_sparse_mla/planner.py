@@ -309,11 +309,16 @@ def resident_blocks(kv_format: str, heads_per_block: int, device: DeviceInfo, sp
                                                                  split_size, device))
 
 
+def _kernel(kv_format: str, heads_per_block: int, family: str) -> kernel_tables.KernelConfig:
+    """The launch shape of the (format, head tile) kernel of ``family`` ("hopper" or "portable")."""
+    tables = kernel_tables.HOPPER_KERNELS if family == "hopper" else kernel_tables.KERNELS
+    return tables[(kv_format, heads_per_block)]
+
+
 def _cluster_blocks(kv_format: str, heads_per_block: int, family: str) -> int:
     """Blocks per (token, head tile, split) of the kernel of ``family``: a lane-sliced Hopper tile's
     cluster (each of its blocks costs a block of its slice's rows), 1 otherwise."""
-    tables = kernel_tables.HOPPER_KERNELS if family == "hopper" else kernel_tables.KERNELS
-    return tables[(kv_format, heads_per_block)].cluster_blocks
+    return _kernel(kv_format, heads_per_block, family).cluster_blocks
 
 
 def head_tiles(kv_format: str, device: DeviceInfo) -> tuple:
@@ -326,8 +331,7 @@ def head_tiles(kv_format: str, device: DeviceInfo) -> tuple:
 
 
 def _resident(kv_format: str, heads_per_block: int, device: DeviceInfo, family: str) -> int:
-    tables = kernel_tables.HOPPER_KERNELS if family == "hopper" else kernel_tables.KERNELS
-    kernel = tables[(kv_format, heads_per_block)]
+    kernel = _kernel(kv_format, heads_per_block, family)
     by_registers = device.registers_per_sm // (kernel.threads * REGISTERS_PER_THREAD)
     by_shared = device.smem_per_sm // (kernel.shared_bytes + SHARED_BYTES_RESERVED_PER_BLOCK)
     return max(1, min(by_registers, by_shared))

@@ -544,12 +544,9 @@ cudaError_t launch_sparse_mla_hopper(const SplitKvParams& p, cudaStream_t stream
   if constexpr (Cfg::kTransposed) {  // the 16-head tile (sparse_mla_h16_kernel.cuh)
     return launch_split_kv_grid(&sparse_mla_hopper_h16_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes,
                                 shared_memory_raised, p, stream);
-  } else if constexpr (Cfg::kLaneSlices > 1) {  // clusters of kLaneSlices blocks, one per lane slice
+  } else {  // lane slices: clusters of kLaneSlices blocks, one per slice (config.h)
     return launch_split_kv_grid(&sparse_mla_hopper_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes, shared_memory_raised,
                                 p, stream, Cfg::kLaneSlices);
-  } else {
-    return launch_split_kv_grid(&sparse_mla_hopper_kernel<Cfg>, Cfg::kThreads, Cfg::kSharedBytes, shared_memory_raised,
-                                p, stream);
   }
 }
 
