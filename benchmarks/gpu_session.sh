@@ -180,7 +180,7 @@ case "$mode" in
     # reported): kernels/cuda/tests/racecheck_probe.cu.
     if (cd "$repo" && nvcc -std=c++17 -O3 -arch=sm_90a -I. kernels/cuda/tests/racecheck_probe.cu -o "$out/racecheck_probe") \
         > "$out/racecheck_probe_build.log" 2>&1; then
-      for probe in counted aligned arrive block none cluster exchange; do
+      for probe in counted pipeline aligned arrive block none cluster exchange; do
         compute-sanitizer --tool racecheck --racecheck-report all "$out/racecheck_probe" $probe > "$out/racecheck_probe_$probe.log" 2>&1
         echo "racecheck probe $probe: exit $?; $(grep -E "racecheck_probe|RACECHECK SUMMARY" "$out/racecheck_probe_$probe.log" | tr '\n' ' ')"
       done

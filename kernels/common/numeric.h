@@ -66,11 +66,12 @@ JSMLA_HD float fp4_e2m1_to_float(uint8_t code) {
   return (code & 0x8u) ? -magnitude : magnitude;
 }
 
-// UE8M0: 2^(b-127); 255 is NaN.
+// UE8M0: 2^(b-127); 255 is NaN. Selects, not branches: the GPU loaders decode several scales a row.
 JSMLA_HD float ue8m0_to_float(uint8_t b) {
-  if (b == 0xffu) return bits_to_float(0x7fc00000u);
-  if (b == 0) return bits_to_float(0x00400000u);  // 2^-127 (subnormal)
-  return bits_to_float(static_cast<uint32_t>(b) << 23);
+  uint32_t bits = static_cast<uint32_t>(b) << 23;
+  bits = b == 0 ? 0x00400000u : bits;    // 2^-127 (subnormal)
+  bits = b == 0xffu ? 0x7fc00000u : bits;
+  return bits_to_float(bits);
 }
 
 JSMLA_HD float load_fp32_le(const uint8_t* p) {

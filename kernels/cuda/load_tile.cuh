@@ -201,7 +201,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     if constexpr (kF.quant_bits == 8) {
       constexpr int kQuantPerThread = kQuantUnits / kThreadsPerRow;
 #pragma unroll
-      for (int i = 0; i < kQuantPerThread; ++i) bit_path &= bit_path_scale(unit_scale(scale_slot, sub + i * kThreadsPerRow));
+      for (int i = 0; i < kQuantPerThread; ++i) bit_path &= bit_path_unit(scale_slot, sub + i * kThreadsPerRow);
     }
     return bit_path;
   }
@@ -229,7 +229,8 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
         if constexpr (kF.quant_bits == 4) {
           dequantize_fp4_unit(units[j], scale_slot, unit, store);
         } else {
-          dequantize_fp8_unit<kBitPath>(units[j], unit_scale(scale_slot, unit), unit, store);
+          dequantize_fp8_unit<kBitPath>(units[j], kBitPath ? bit_path_unit_scale(scale_slot, unit) : unit_scale(scale_slot, unit),
+                                        unit, store);
         }
       } else {
         store(kF.quant_dim + 8 * (unit - kQuantUnits), units[j]);
@@ -270,20 +271,41 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
 
   template <class Store>
   static JSMLA_DEVICE void convert_fp8_unit(uint4 fp8, const uint8_t* scale_slot, int unit, Store& store) {
-    const float scale = unit_scale(scale_slot, unit);
-    if (bit_path_scale(scale)) {
-      dequantize_fp8_unit<true>(fp8, scale, unit, store);
+    if (bit_path_unit(scale_slot, unit)) {
+      dequantize_fp8_unit<true>(fp8, bit_path_unit_scale(scale_slot, unit), unit, store);
     } else {
-      dequantize_fp8_unit<false>(fp8, scale, unit, store);
+      dequantize_fp8_unit<false>(fp8, unit_scale(scale_slot, unit), unit, store);
     }
   }
+
+  // Whether FP8 unit `unit` takes the bit path (bit_path_scale of its unit_scale). A UE8M0 byte b is
+  // tested as an integer: 2^(b-127) is a bit-path scale exactly for b in [1, 134] (b = 0 is the
+  // subnormal 2^-127, b = 255 NaN, b > 134 above 2^7).
+  static JSMLA_DEVICE bool bit_path_unit(const uint8_t* scale_slot, int unit) {
+    if constexpr (kF.scale_kind == ScaleKind::kUe8m0 && !kExactScales) {
+      return static_cast<uint32_t>(scale_slot[scale_group(unit)]) - 1u <= 133u;
+    } else {
+      return bit_path_scale(unit_scale(scale_slot, unit));
+    }
+  }
+  // unit_scale of a unit on the bit path (bit_path_unit holds): a UE8M0 byte in [1, 134] is 2^(b-127)
+  // bit for bit as b << 23, without ue8m0_to_float's cases.
+  static JSMLA_DEVICE float bit_path_unit_scale(const uint8_t* scale_slot, int unit) {
+    if constexpr (kF.scale_kind == ScaleKind::kUe8m0 && !kExactScales) {
+      return __uint_as_float(static_cast<uint32_t>(scale_slot[scale_group(unit)]) << 23);
+    } else {
+      return unit_scale(scale_slot, unit);
+    }
+  }
+  // The scale group of FP8 unit `unit` (16 lanes).
+  static JSMLA_DEVICE int scale_group(int unit) { return kF.group_size > 0 ? (16 * unit) / kF.group_size : 0; }
 
   // The scale the tile applies to FP8 unit `unit`: its group's scale (its power-of-two part for
   // kExactScales).
   static JSMLA_DEVICE float unit_scale(const uint8_t* scale_slot, int unit) {
     static_assert(kQuantUnits == 0 || kF.group_size > 0, "FP8 lanes come in scale groups");
     static_assert(kF.quant_bits != 4, "an FP4 unit spans two scale groups (dequantize_fp4_unit)");
-    const float scale = group_scale_of(scale_slot, kF.group_size > 0 ? (16 * unit) / kF.group_size : 0);
+    const float scale = group_scale_of(scale_slot, scale_group(unit));
     if constexpr (kExactScales) return power_of_two_part(scale);
     return scale;
   }

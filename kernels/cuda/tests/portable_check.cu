@@ -9,7 +9,7 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --profile | --profile-small |
+// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --ue8m0 | --profile | --profile-small |
 //      --profile-bf16]   (exit code 0
 // only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
@@ -19,7 +19,8 @@
 //   the Hopper family's where it exists) at tensor-parallel shard shapes (T=1..128, H=16/32) over
 //   several split counts; --dots3: dots3_swa's window at T=128 and T=1 (H=128) on the portable 32-head
 //   tile and the Hopper-only 64-head cluster tile, beside dsv3_2 over as many candidates (time per
-//   FLOP); --profile: see below. Every 16-head plan runs on both families' tiles.
+//   FLOP); --ue8m0: the formats with UE8M0 scales (dsv4, dsv4_1, dots3_swa) beside dsv3_2 on the Hopper
+//   family at T=128 H=128; --profile: see below. Every 16-head plan runs on both families' tiles.
 // JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
 // dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
 #include <cuda_runtime.h>
@@ -772,6 +773,23 @@ int main(int argc, char** argv) {
     cudaFree(nvfp4.device);
     return print_timed_rows();
   }
+  if (mode == "--ue8m0") {  // the UE8M0-scaled formats on the Hopper family beside dsv3_2, T=128 H=128, one split
+    const Fp8Table fp8;
+    struct Entry { const char* name; FormatId id; int64_t row_stride, token_bytes; uint64_t seed; };
+    for (const Entry& e : {Entry{"dsv3_2", FormatId::kDsv32, 656, 656, 1}, Entry{"dsv4", FormatId::kDsv4, 576, 584, 4},
+                           Entry{"dsv4_1", FormatId::kDsv41, 512, 528, 6},
+                           Entry{"dots3_swa", FormatId::kDots3Swa, 1152, 1160, 7}}) {
+      const FormatTraits& f = format_traits(e.id);
+      HostCache cache = build_cache(f, 4096, 64, e.row_stride, 64 * e.token_bytes, e.seed, fp8);
+      const std::string name = std::string(e.name) + " T=128 H=128 k=2048";
+      Problem pr{name, e.id, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+      DeviceProblem d = make_problem(pr, &cache, nullptr, 81);
+      run_case(d, on_hopper(decode_plan(64, 2048, 1)), {0, 37, 127}, 15);
+      release(d);
+      cudaFree(cache.device);
+    }
+    return print_timed_rows();
+  }
   if (mode == "--dots3") {  // dots3_swa's 513-candidate window on both families, beside dsv3_2 on 513 candidates
     const Fp8Table fp8;
     const FormatTraits& f3 = format_traits(FormatId::kDots3Swa);
@@ -795,6 +813,7 @@ int main(int argc, char** argv) {
     Problem prd{"dsv3_2 T=128 H=128 k=513", FormatId::kDsv32, 128, 128, 513, 0, 0.0417f, false, false, -1, 0.0, 4};
     DeviceProblem dd = make_problem(prd, &cache, nullptr, 66);
     run_case(dd, on_hopper(Plan{2, 64}), {0, 37, 127}, 15);
+    run_case(dd, on_hopper(decode_plan(64, 513, 1)), {0, 37, 127}, 15);
     release(dd);
     cudaFree(cache.device);
     return print_timed_rows();

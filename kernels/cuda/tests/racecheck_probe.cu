@@ -10,6 +10,10 @@
 //   exchange  `cluster`, and before each hand-over warpgroup 1 of each block receives 16 bytes a thread
 //             from the other block (st.async into this block's buffer b, counted on its transaction
 //             barrier b; the lane-sliced tile's score exchange) and folds them into the value it writes;
+//   pipeline  `counted`, inside the kernels' full/empty cycle: each step warpgroup 0 arrives on a `full`
+//             barrier that warpgroup 1 syncs on before its write, and warpgroups 1 and 2 arrive on an
+//             `empty` barrier that warpgroup 0 syncs on after their accesses (the producer's hand-overs,
+//             which the kernels mix with the counted syncs of the row factors);
 //   aligned   bar.sync id, 256 (the aligned form);
 //   arrive    one slot handed back and forth by arrive/sync pairs, the 64-head kernel's one-P-buffer
 //             path (its row_rescale): warpgroup 1 waits on `free` (from step 1), writes, arrives on
@@ -31,13 +35,14 @@
 
 namespace {
 
-enum class Mode { kCounted, kAligned, kArrive, kBlock, kNone, kCluster, kExchange };
+enum class Mode { kCounted, kAligned, kArrive, kBlock, kNone, kCluster, kExchange, kPipeline };
 constexpr int kSteps = 16;
 constexpr int kRows = 64;
 
 __device__ void hand_over(Mode mode, int b) {
   switch (mode) {
     case Mode::kCounted:
+    case Mode::kPipeline:
     case Mode::kCluster:
     case Mode::kExchange:
       jsmla::cuda::named_barrier_sync(6 + b, 256);
@@ -85,6 +90,15 @@ __global__ void __launch_bounds__(384, 1) probe(Mode mode, float* sums) {
   }
   for (int i = 0; i < kSteps; ++i) {
     const int b = i & 1;
+    constexpr int kFull = 10, kEmpty = 12;  // + b
+    if (mode == Mode::kPipeline) {
+      if (group == 0) {
+        jsmla::cuda::named_barrier_arrive(kFull + b, 256);
+        jsmla::cuda::named_barrier_sync(kEmpty + b, 384);
+        continue;
+      }
+      if (group == 1) jsmla::cuda::named_barrier_sync(kFull + b, 256);
+    }
     float received = static_cast<float>(i);
     if (mode == Mode::kExchange && group == 1) {
       if (t == 0) hopper::transaction_barrier_arrive_expect(&arrived[b], 128 * 16);
@@ -103,6 +117,7 @@ __global__ void __launch_bounds__(384, 1) probe(Mode mode, float* sums) {
     }
     if (group == 2) sum += slot[b][t / 2];
     if (mode == Mode::kBlock) __syncthreads();  // the reads of slot[b] before its next write
+    if (mode == Mode::kPipeline) jsmla::cuda::named_barrier_arrive(kEmpty + b, 384);
   }
   if (group == 2) sums[blockIdx.x * 128 + t] = sum;
 }
@@ -122,12 +137,14 @@ int main(int argc, char** argv) {
     mode = Mode::kBlock;
   } else if (!std::strcmp(name, "none")) {
     mode = Mode::kNone;
+  } else if (!std::strcmp(name, "pipeline")) {
+    mode = Mode::kPipeline;
   } else if (!std::strcmp(name, "cluster")) {
     mode = Mode::kCluster;
   } else if (!std::strcmp(name, "exchange")) {
     mode = Mode::kExchange;
   } else {
-    std::fprintf(stderr, "mode: counted, aligned, arrive, block, none, cluster or exchange (got %s)\n", name);
+    std::fprintf(stderr, "mode: counted, pipeline, aligned, arrive, block, none, cluster or exchange (got %s)\n", name);
     return 2;
   }
   const bool clustered = mode == Mode::kCluster || mode == Mode::kExchange;

@@ -1,0 +1,64 @@
+"""Groups compute-sanitizer racecheck reports by kernel, hazard kind and the two source sites.
+
+Usage: python3 racecheck_summary.py racecheck.log [examples]
+
+For each (kernel, hazard, first site, second site) it prints the count and, for the first `examples`
+groups (default 3), one report's lines as racecheck printed them (block and thread indices included),
+so that a reader can tell whether the two accesses are in one block and which warpgroups they are in.
+"""
+import collections
+import re
+import sys
+
+
+def reports(lines):
+    """Yields (header line, following detail lines) for each hazard report."""
+    current = None
+    for line in lines:
+        text = line.rstrip("\n")
+        if re.search(r"(Potential|Error:|Warning:).*hazard", text, re.IGNORECASE):
+            if current:
+                yield current
+            current = (text, [])
+        elif current is not None:
+            if re.match(r"^=+\s*$", text) or not text.strip("= "):
+                yield current
+                current = None
+            else:
+                current[1].append(text)
+    if current:
+        yield current
+
+
+def sites(detail):
+    """The file:line sites and kernel names a report's detail lines name."""
+    found = re.findall(r"([\w./-]+\.(?:cuh|cu|h):\d+)", " ".join(detail))
+    kernels = re.findall(r"in (\S*sparse_mla\w*|\S*combine\w*|\S*probe\w*)", " ".join(detail))
+    return found, kernels
+
+
+def main():
+    path = sys.argv[1]
+    examples = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    groups = collections.Counter()
+    sample = {}
+    with open(path, errors="replace") as handle:
+        for header, detail in reports(handle):
+            kind = re.search(r"(RAW|WAR|WAW)", header)
+            found, kernels = sites(detail)
+            key = (kernels[0][:60] if kernels else "?", kind.group(1) if kind else "?",
+                   tuple(s.split("/")[-1] for s in found[:2]))
+            groups[key] += 1
+            sample.setdefault(key, [header] + detail[:8])
+    if not groups:
+        print("racecheck summary: no hazard reports")
+        return
+    for n, (key, count) in enumerate(groups.most_common()):
+        print(f"{count:8d}  {key[1]}  {key[0]}  {' / '.join(key[2])}")
+        if n < examples:
+            for line in sample[key]:
+                print("          " + line.strip("= ")[:200])
+
+
+if __name__ == "__main__":
+    main()
