@@ -278,6 +278,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     }
   }
 
+ public:
   // Whether FP8 unit `unit` takes the bit path (bit_path_scale of its unit_scale). A UE8M0 byte b is
   // tested as an integer: 2^(b-127) is a bit-path scale exactly for b in [1, 134] (b = 0 is the
   // subnormal 2^-127, b = 255 NaN, b > 134 above 2^7).
@@ -310,7 +311,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     return scale;
   }
 
- public:
   // Scales the bit path serves: zero and the powers of two up to 2^7 in magnitude, for which it gives
   // the same bits as the FP32 path (scale · 2^120 is then a normal BF16, and every e4m3 value times it
   // is exact in BF16). Any other scale, NaN and infinity included, takes the FP32 path.
@@ -422,7 +422,9 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     if constexpr (kF.scale_kind == ScaleKind::kFp32) {
       return reinterpret_cast<const float*>(scale_slot)[group];
     } else if constexpr (kF.scale_kind == ScaleKind::kE4m3) {
-      return fp8_e4m3_to_float(scale_slot[group]);
+      // The conversion instruction: e4m3 → FP16 → FP32 is exact for every code (subnormals included),
+      // NaN stays NaN; fp8_e4m3_to_float's cases would be branches in the producer.
+      return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(scale_slot[group]), __NV_E4M3)));
     } else {
       return ue8m0_to_float(scale_slot[group]);
     }

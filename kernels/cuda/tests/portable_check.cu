@@ -9,7 +9,7 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --ue8m0 | --profile | --profile-small |
+// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --scales | --profile | --profile-small |
 //      --profile-bf16]   (exit code 0
 // only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
@@ -19,8 +19,8 @@
 //   the Hopper family's where it exists) at tensor-parallel shard shapes (T=1..128, H=16/32) over
 //   several split counts; --dots3: dots3_swa's window at T=128 and T=1 (H=128) on the portable 32-head
 //   tile and the Hopper-only 64-head cluster tile, beside dsv3_2 over as many candidates (time per
-//   FLOP); --ue8m0: the formats with UE8M0 scales (dsv4, dsv4_1, dots3_swa) beside dsv3_2 on the Hopper
-//   family at T=128 H=128; --profile: see below. Every 16-head plan runs on both families' tiles.
+//   FLOP); --scales: the formats with UE8M0 and E4M3 scales (dsv4, dsv4_1, dots3_swa, dsv4_nvfp4,
+//   dsv4_1_fp4) beside dsv3_2 on the Hopper family at T=128 H=128; --profile: see below. Every 16-head plan runs on both families' tiles.
 // JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
 // dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
 #include <cuda_runtime.h>
@@ -701,6 +701,58 @@ void check_dequantization() {
   g_failed |= mismatches != 0;
 }
 
+// Every UE8M0 scale byte through the loader's integer bit-path test and scale (bit_path_unit,
+// bit_path_unit_scale) against bit_path_scale of the decoded scale, and the decode (device and host)
+// against 2^(b-127) (255: NaN).
+using Ue8m0Loader = cuda::TileLoader<FormatId::kDsv4, 32, 128>;
+
+__global__ void ue8m0_probe_kernel(int* accepted, int* expected, uint32_t* bits, uint32_t* decoded) {
+  const uint8_t b = static_cast<uint8_t>(threadIdx.x);
+  const float scale = ue8m0_to_float(b);
+  accepted[b] = Ue8m0Loader::bit_path_unit(&b, 0) ? 1 : 0;
+  expected[b] = Ue8m0Loader::bit_path_scale(scale) ? 1 : 0;
+  bits[b] = __float_as_uint(Ue8m0Loader::bit_path_unit_scale(&b, 0));
+  decoded[b] = __float_as_uint(scale);
+}
+
+void check_ue8m0_scales() {
+  int *d_accepted, *d_expected;
+  uint32_t *d_bits, *d_decoded;
+  CHECK_CUDA(cudaMalloc(&d_accepted, 256 * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&d_expected, 256 * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&d_bits, 256 * sizeof(uint32_t)));
+  CHECK_CUDA(cudaMalloc(&d_decoded, 256 * sizeof(uint32_t)));
+  ue8m0_probe_kernel<<<1, 256>>>(d_accepted, d_expected, d_bits, d_decoded);
+  CHECK_CUDA(cudaGetLastError());
+  std::vector<int> accepted(256), expected(256);
+  std::vector<uint32_t> bits(256), decoded(256);
+  CHECK_CUDA(cudaMemcpy(accepted.data(), d_accepted, 256 * sizeof(int), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(expected.data(), d_expected, 256 * sizeof(int), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(bits.data(), d_bits, 256 * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(decoded.data(), d_decoded, 256 * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  cudaFree(d_accepted);
+  cudaFree(d_expected);
+  cudaFree(d_bits);
+  cudaFree(d_decoded);
+  int mismatches = 0, on_path = 0;
+  for (int b = 0; b < 256; ++b) {
+    const float want = b == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, b - 127);
+    const float host = ue8m0_to_float(static_cast<uint8_t>(b));
+    float device;
+    std::memcpy(&device, &decoded[b], 4);
+    const bool decode_ok = b == 255 ? std::isnan(host) && std::isnan(device) : host == want && device == want;
+    const bool path_ok = accepted[b] == expected[b] && (accepted[b] == 0 || bits[b] == decoded[b]);
+    on_path += accepted[b];
+    if (!decode_ok || !path_ok) {
+      std::printf("ue8m0: byte %d: decoded %08x, bit path %d (want %d), scale %08x\n", b, decoded[b], accepted[b],
+                  expected[b], bits[b]);
+      ++mismatches;
+    }
+  }
+  std::printf("ue8m0 scales: 256 bytes (%d on the bit path): %s\n", on_path, mismatches == 0 ? "PASS" : "FAIL");
+  g_failed |= mismatches != 0;
+}
+
 // The timed modes' table (one line a case: plan, checks, median µs, TFLOP/s); the exit status.
 int print_timed_rows() {
   for (const Row& r : g_rows) {
@@ -773,19 +825,25 @@ int main(int argc, char** argv) {
     cudaFree(nvfp4.device);
     return print_timed_rows();
   }
-  if (mode == "--ue8m0") {  // the UE8M0-scaled formats on the Hopper family beside dsv3_2, T=128 H=128, one split
+  if (mode == "--scales") {  // the formats with one-byte scales on the Hopper family beside dsv3_2, T=128 H=128, one split
     const Fp8Table fp8;
-    struct Entry { const char* name; FormatId id; int64_t row_stride, token_bytes; uint64_t seed; };
-    for (const Entry& e : {Entry{"dsv3_2", FormatId::kDsv32, 656, 656, 1}, Entry{"dsv4", FormatId::kDsv4, 576, 584, 4},
-                           Entry{"dsv4_1", FormatId::kDsv41, 512, 528, 6},
-                           Entry{"dots3_swa", FormatId::kDots3Swa, 1152, 1160, 7}}) {
+    struct Entry { const char* name; FormatId id; uint64_t seed; };
+    for (const Entry& e : {Entry{"dsv3_2", FormatId::kDsv32, 1}, Entry{"dsv4", FormatId::kDsv4, 4},
+                           Entry{"dsv4_1", FormatId::kDsv41, 6}, Entry{"dots3_swa", FormatId::kDots3Swa, 7},
+                           Entry{"dsv4_nvfp4", FormatId::kDsv4Nvfp4, 5}, Entry{"dsv4_1_fp4", FormatId::kDsv41Fp4, 8}}) {
       const FormatTraits& f = format_traits(e.id);
-      HostCache cache = build_cache(f, 4096, 64, e.row_stride, 64 * e.token_bytes, e.seed, fp8);
+      HostCache cache = build_cache(f, 4096, 64, f.data_row_bytes, 64 * f.bytes_per_token, e.seed, fp8);
       const std::string name = std::string(e.name) + " T=128 H=128 k=2048";
       Problem pr{name, e.id, 128, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
       DeviceProblem d = make_problem(pr, &cache, nullptr, 81);
       run_case(d, on_hopper(decode_plan(64, 2048, 1)), {0, 37, 127}, 15);
       release(d);
+      if (e.id == FormatId::kDsv4 || e.id == FormatId::kDsv4Nvfp4) {  // a 16-head shard (both families' 16-head tiles)
+        Problem pr16{std::string(e.name) + " T=128 H=16 k=2048", e.id, 128, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 4};
+        DeviceProblem d16 = make_problem(pr16, &cache, nullptr, 82);
+        run_case(d16, decode_plan(16, 2048, 2), {0, 127}, 15);
+        release(d16);
+      }
       cudaFree(cache.device);
     }
     return print_timed_rows();
@@ -898,6 +956,7 @@ int main(int argc, char** argv) {
   const Fp8Table fp8;
   const int reps = quick ? 0 : 15;
   check_dequantization();
+  check_ue8m0_scales();
 
   // ---- dsv3_2: the headline shape, 262144-token pool (172 MB), page 64 ----
   {
