@@ -359,6 +359,8 @@ def write_results(rows, device):
     lines = [f"Device: {device}. Median device time per call (lax.scan over "
              f"{' or '.join(map(str, step_counts))} index sets, {CALLS_PER_SAMPLE} calls queued per sample, "
              f"{FLAGS.repeats} samples), topk={TOPK}, cache {FLAGS.pool_bytes / 1e6:.0f} MB, random indices."
+             + (f" Baseline above {FLAGS.baseline_chunk_tokens} tokens: over sequential chunks of that many."
+                if any(r.get("T", 0) > FLAGS.baseline_chunk_tokens for r in rows) else "")
              + (" FlashMLA: a CUDA graph of one call per index set on the same bytes, each call's output "
                 f"summed like a scan step's, replayed {CALLS_PER_SAMPLE} times per sample (prefill on the "
                 "dequantized BF16 cache; H < 64 padded to 64 heads); diff = max |ours - FlashMLA| / max |FlashMLA|." if anchored else ""), "",
