@@ -19,8 +19,8 @@
 //   the Hopper family's where it exists) at tensor-parallel shard shapes (T=1..128, H=16/32) over
 //   several split counts; --dots3: dots3_swa's window at T=128 and T=1 (H=128) on the portable 32-head
 //   tile and the Hopper-only 64-head cluster tile, beside dsv3_2 over as many candidates (time per
-//   FLOP); --scales: the formats with UE8M0 and E4M3 scales (dsv4, dsv4_1, dots3_swa, dsv4_nvfp4,
-//   dsv4_1_fp4) beside dsv3_2 on the Hopper family at T=128 H=128; --profile: see below. Every 16-head plan runs on both families' tiles.
+//   FLOP); --scales: the formats with UE8M0, E4M3 and arbitrary FP32 scales (dsv4, dsv4_1, dots3_swa,
+//   dsv4_nvfp4, dsv4_1_fp4, glm_nsa) beside dsv3_2 on the Hopper family at T=128 H=128; --profile: see below. Every 16-head plan runs on both families' tiles.
 // JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
 // dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
 #include <cuda_runtime.h>
@@ -825,12 +825,13 @@ int main(int argc, char** argv) {
     cudaFree(nvfp4.device);
     return print_timed_rows();
   }
-  if (mode == "--scales") {  // the formats with one-byte scales on the Hopper family beside dsv3_2, T=128 H=128, one split
+  if (mode == "--scales") {  // the scaled formats on the Hopper family beside dsv3_2, T=128 H=128, one split
     const Fp8Table fp8;
     struct Entry { const char* name; FormatId id; uint64_t seed; };
     for (const Entry& e : {Entry{"dsv3_2", FormatId::kDsv32, 1}, Entry{"dsv4", FormatId::kDsv4, 4},
                            Entry{"dsv4_1", FormatId::kDsv41, 6}, Entry{"dots3_swa", FormatId::kDots3Swa, 7},
-                           Entry{"dsv4_nvfp4", FormatId::kDsv4Nvfp4, 5}, Entry{"dsv4_1_fp4", FormatId::kDsv41Fp4, 8}}) {
+                           Entry{"dsv4_nvfp4", FormatId::kDsv4Nvfp4, 5}, Entry{"dsv4_1_fp4", FormatId::kDsv41Fp4, 8},
+                           Entry{"glm_nsa", FormatId::kGlmNsa, 1}}) {
       const FormatTraits& f = format_traits(e.id);
       HostCache cache = build_cache(f, 4096, 64, f.data_row_bytes, 64 * f.bytes_per_token, e.seed, fp8);
       const std::string name = std::string(e.name) + " T=128 H=128 k=2048";
