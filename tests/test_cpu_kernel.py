@@ -147,15 +147,10 @@ def test_subnormal_inputs_read_as_zero_on_every_instruction_set(rng, monkeypatch
     assert np.all(out[..., np.setdiff1d(np.arange(out.shape[-1]), value_lanes)] != 0)
 
 
-@pytest.mark.parametrize("isa", INSTRUCTION_SETS)
-@pytest.mark.parametrize("key", ["dsv4", "glm_nsa", "dsv4_nvfp4", "dsv4_1_fp4"])
-def test_every_quantized_code_is_dequantized_exactly(rng, monkeypatch, isa, key):
-    """A row attending to one candidate returns that candidate's V: with its quantized lanes set to every
-    finite FP8 (or every FP4) code, out must be each code times its group scale, as a float32 product
-    rounded to BF16 (exact for UE8M0 and E4M3 scales; the code -0 gives +0, a sum of one term)."""
-    if isa not in supported_instruction_sets():
-        pytest.skip(f"this CPU has no {isa}")
-    monkeypatch.setenv("JSMLA_CPU_ISA", isa)
+def _one_candidate_of_every_code(rng, key, scale_bytes=None):
+    """A row attending to one candidate whose quantized lanes hold every finite FP8 (or every FP4) code,
+    and, if given, whose groups' one-byte scales are ``scale_bytes``: (out, want, lanes), ``want`` being
+    each code times its group scale as a float32 product rounded to BF16."""
     spec = oracle.SPECS[key]
     case = make_case(rng, key, num_tokens=1, num_heads=3, topk=1, page_size=4, topk_length=None,
                      invalid_fraction=0.0, poison=False)
@@ -167,8 +162,13 @@ def test_every_quantized_code_is_dequantized_exactly(rng, monkeypatch, isa, key)
     cache = case.main.array.copy()
     raw = oracle.cache_bytes(cache)
     geom = oracle.geometry(cache.shape, key)
-    start = oracle.slot_byte_ranges(geom, key, int(case.indices[0, 0]))[0][0] + spec.quant_offset
+    ranges = oracle.slot_byte_ranges(geom, key, int(case.indices[0, 0]))
+    start = ranges[0][0] + spec.quant_offset
     raw[start: start + code_bytes.size] = code_bytes
+    if scale_bytes is not None:
+        assert spec.scale_width == 1 and spec.kind == "footer"
+        scale_start = ranges[1][0] + spec.scale_offset
+        raw[scale_start: scale_start + spec.groups] = np.resize(np.asarray(scale_bytes, np.uint8), spec.groups)
     case = dataclasses.replace(case, main=dataclasses.replace(case.main, array=cache))
     out, _ = case.run("auto")
     data, scales = oracle.read_slots(cache, key, case.indices[0])
@@ -179,7 +179,29 @@ def test_every_quantized_code_is_dequantized_exactly(rng, monkeypatch, isa, key)
     values = oracle.decode_tokens(data, scales, key)[0, : spec.quant_lanes]
     unscaled = (values / np.repeat(scale, spec.group)).astype(np.float32)  # the codes' values, exactly
     want = (unscaled * np.repeat(scale, spec.group)).astype(ml_dtypes.bfloat16)
-    lanes = min(spec.d_v, spec.quant_lanes)
+    return out, want, min(spec.d_v, spec.quant_lanes)
+
+
+@pytest.mark.parametrize("isa", INSTRUCTION_SETS)
+@pytest.mark.parametrize("key", ["dsv4", "glm_nsa", "dsv4_nvfp4", "dsv4_1_fp4"])
+def test_every_quantized_code_is_dequantized_exactly(rng, monkeypatch, isa, key):
+    """A row attending to one candidate returns that candidate's V: with its quantized lanes set to every
+    finite FP8 (or every FP4) code, out must be each code times its group scale, as a float32 product
+    rounded to BF16 (exact for UE8M0 and E4M3 scales; the code -0 gives +0, a sum of one term)."""
+    if isa not in supported_instruction_sets():
+        pytest.skip(f"this CPU has no {isa}")
+    monkeypatch.setenv("JSMLA_CPU_ISA", isa)
+    out, want, lanes = _one_candidate_of_every_code(rng, key)
+    for h in range(3):
+        np.testing.assert_array_equal(out[0, h, :lanes].astype(np.float32), want[:lanes].astype(np.float32))
+
+
+@pytest.mark.parametrize("key", ["dsv4", "dsv4_1"])
+def test_ue8m0_scale_bytes_across_their_range(rng, key):
+    """UE8M0 bytes on both sides of the GPU loaders' integer path (2^(b-127) for b in [1, 134]) and far
+    from it, one a group: every code times its group's 2^(b-127), as a float32 product rounded to BF16
+    (the smallest byte keeps every product normal: this kernel flushes subnormals)."""
+    out, want, lanes = _one_candidate_of_every_code(rng, key, scale_bytes=[20, 64, 127, 133, 134, 135, 200, 120])
     for h in range(3):
         np.testing.assert_array_equal(out[0, h, :lanes].astype(np.float32), want[:lanes].astype(np.float32))
 

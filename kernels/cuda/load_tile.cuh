@@ -418,6 +418,8 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
   }
 
+ public:
+  // The scale of group `group` of the row whose scale record is in `scale_slot`.
   static JSMLA_DEVICE float group_scale_of(const uint8_t* scale_slot, int group) {
     if constexpr (kF.scale_kind == ScaleKind::kFp32) {
       return reinterpret_cast<const float*>(scale_slot)[group];
@@ -430,6 +432,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     }
   }
 
+ private:
   // Two e4m3 values (the low 16 bits) times `scale`, in FP32, rounded once to a BF16 pair.
   static JSMLA_DEVICE uint32_t fp8x2_to_bf16x2(uint32_t packed, float scale) {
     const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(packed & 0xffffu), __NV_E4M3);

@@ -703,29 +703,37 @@ void check_dequantization() {
 
 // Every UE8M0 scale byte through the loader's integer bit-path test and scale (bit_path_unit,
 // bit_path_unit_scale) against bit_path_scale of the decoded scale, and the decode (device and host)
-// against 2^(b-127) (255: NaN).
+// against 2^(b-127) (255: NaN); and every E4M3 scale byte through the loader's decode (the conversion
+// instruction) against the host's fp8_e4m3_to_float (NaN codes: NaN).
 using Ue8m0Loader = cuda::TileLoader<FormatId::kDsv4, 32, 128>;
+using E4m3Loader = cuda::TileLoader<FormatId::kDsv4Nvfp4, 32, 128>;
 
-__global__ void ue8m0_probe_kernel(int* accepted, int* expected, uint32_t* bits, uint32_t* decoded) {
+__global__ void ue8m0_probe_kernel(int* accepted, int* expected, uint32_t* bits, uint32_t* decoded, float* e4m3) {
   const uint8_t b = static_cast<uint8_t>(threadIdx.x);
   const float scale = ue8m0_to_float(b);
   accepted[b] = Ue8m0Loader::bit_path_unit(&b, 0) ? 1 : 0;
   expected[b] = Ue8m0Loader::bit_path_scale(scale) ? 1 : 0;
   bits[b] = __float_as_uint(Ue8m0Loader::bit_path_unit_scale(&b, 0));
   decoded[b] = __float_as_uint(scale);
+  e4m3[b] = E4m3Loader::group_scale_of(&b, 0);
 }
 
 void check_ue8m0_scales() {
   int *d_accepted, *d_expected;
   uint32_t *d_bits, *d_decoded;
+  float* d_e4m3;
+  CHECK_CUDA(cudaMalloc(&d_e4m3, 256 * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&d_accepted, 256 * sizeof(int)));
   CHECK_CUDA(cudaMalloc(&d_expected, 256 * sizeof(int)));
   CHECK_CUDA(cudaMalloc(&d_bits, 256 * sizeof(uint32_t)));
   CHECK_CUDA(cudaMalloc(&d_decoded, 256 * sizeof(uint32_t)));
-  ue8m0_probe_kernel<<<1, 256>>>(d_accepted, d_expected, d_bits, d_decoded);
+  ue8m0_probe_kernel<<<1, 256>>>(d_accepted, d_expected, d_bits, d_decoded, d_e4m3);
   CHECK_CUDA(cudaGetLastError());
   std::vector<int> accepted(256), expected(256);
   std::vector<uint32_t> bits(256), decoded(256);
+  std::vector<float> e4m3(256);
+  CHECK_CUDA(cudaMemcpy(e4m3.data(), d_e4m3, 256 * sizeof(float), cudaMemcpyDeviceToHost));
+  cudaFree(d_e4m3);
   CHECK_CUDA(cudaMemcpy(accepted.data(), d_accepted, 256 * sizeof(int), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(expected.data(), d_expected, 256 * sizeof(int), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(bits.data(), d_bits, 256 * sizeof(uint32_t), cudaMemcpyDeviceToHost));
@@ -749,7 +757,15 @@ void check_ue8m0_scales() {
       ++mismatches;
     }
   }
-  std::printf("ue8m0 scales: 256 bytes (%d on the bit path): %s\n", on_path, mismatches == 0 ? "PASS" : "FAIL");
+  for (int b = 0; b < 256; ++b) {
+    const float want = fp8_e4m3_to_float(static_cast<uint8_t>(b));
+    if (std::isnan(want) ? !std::isnan(e4m3[b]) : e4m3[b] != want) {
+      std::printf("e4m3 scale: byte %d: %g (want %g)\n", b, e4m3[b], want);
+      ++mismatches;
+    }
+  }
+  std::printf("ue8m0 and e4m3 scales: 256 bytes each (%d UE8M0 on the bit path): %s\n", on_path,
+              mismatches == 0 ? "PASS" : "FAIL");
   g_failed |= mismatches != 0;
 }
 
