@@ -176,8 +176,8 @@ case "$mode" in
       grep -E "passed|failed" "$out/sanitizer_$tool.log" | tail -1
     done
     # What racecheck makes of a correct hand-over through counted named barriers (the kernels': two-sided
-    # syncs, and arrive/sync pairs), beside a block-wide one (must be silent) and none at all (must be
-    # reported): kernels/cuda/tests/racecheck_probe.cu.
+    # syncs, alone and inside a full/empty arrive cycle, and arrive/sync pairs), beside a block-wide one
+    # (must be silent) and none at all (must be reported): kernels/cuda/tests/racecheck_probe.cu.
     if (cd "$repo" && nvcc -std=c++17 -O3 -arch=sm_90a -I. kernels/cuda/tests/racecheck_probe.cu -o "$out/racecheck_probe") \
         > "$out/racecheck_probe_build.log" 2>&1; then
       for probe in counted pipeline aligned arrive block none cluster exchange; do

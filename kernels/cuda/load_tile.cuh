@@ -229,8 +229,8 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
         if constexpr (kF.quant_bits == 4) {
           dequantize_fp4_unit(units[j], scale_slot, unit, store);
         } else {
-          dequantize_fp8_unit<kBitPath>(units[j], kBitPath ? bit_path_unit_scale(scale_slot, unit) : unit_scale(scale_slot, unit),
-                                        unit, store);
+          const float scale = kBitPath ? bit_path_unit_scale(scale_slot, unit) : unit_scale(scale_slot, unit);
+          dequantize_fp8_unit<kBitPath>(units[j], scale, unit, store);
         }
       } else {
         store(kF.quant_dim + 8 * (unit - kQuantUnits), units[j]);
@@ -283,7 +283,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
   // tested as an integer: 2^(b-127) is a bit-path scale exactly for b in [1, 134] (b = 0 is the
   // subnormal 2^-127, b = 255 NaN, b > 134 above 2^7).
   static JSMLA_DEVICE bool bit_path_unit(const uint8_t* scale_slot, int unit) {
-    if constexpr (kF.scale_kind == ScaleKind::kUe8m0 && !kExactScales) {
+    if constexpr (kF.scale_kind == ScaleKind::kUe8m0) {
       return static_cast<uint32_t>(scale_slot[scale_group(unit)]) - 1u <= 133u;
     } else {
       return bit_path_scale(unit_scale(scale_slot, unit));
@@ -292,7 +292,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
   // unit_scale of a unit on the bit path (bit_path_unit holds): a UE8M0 byte in [1, 134] is 2^(b-127)
   // bit for bit as b << 23, without ue8m0_to_float's cases.
   static JSMLA_DEVICE float bit_path_unit_scale(const uint8_t* scale_slot, int unit) {
-    if constexpr (kF.scale_kind == ScaleKind::kUe8m0 && !kExactScales) {
+    if constexpr (kF.scale_kind == ScaleKind::kUe8m0) {
       return __uint_as_float(static_cast<uint32_t>(scale_slot[scale_group(unit)]) << 23);
     } else {
       return unit_scale(scale_slot, unit);
@@ -426,7 +426,8 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     } else if constexpr (kF.scale_kind == ScaleKind::kE4m3) {
       // The conversion instruction: e4m3 → FP16 → FP32 is exact for every code (subnormals included),
       // NaN stays NaN; fp8_e4m3_to_float's cases would be branches in the producer.
-      return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(scale_slot[group]), __NV_E4M3)));
+      const __half_raw scale = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(scale_slot[group]), __NV_E4M3);
+      return __half2float(__half(scale));
     } else {
       return ue8m0_to_float(scale_slot[group]);
     }

@@ -9,9 +9,8 @@
 // Build (not part of the CMake targets; see build_and_check.sh):
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
-// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --scales | --profile | --profile-small |
-//      --profile-bf16]   (exit code 0
-// only when every check passes)
+// Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --scales | --profile |
+//      --profile-small | --profile-bf16]   (exit code 0 only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --ablate: only the
 //   dsv3_2 H=128 rows of --headline (decode and prefill variant at T=128, prefill T=4096), for builds
@@ -20,7 +19,8 @@
 //   several split counts; --dots3: dots3_swa's window at T=128 and T=1 (H=128) on the portable 32-head
 //   tile and the Hopper-only 64-head cluster tile, beside dsv3_2 over as many candidates (time per
 //   FLOP); --scales: the formats with UE8M0, E4M3 and arbitrary FP32 scales (dsv4, dsv4_1, dots3_swa,
-//   dsv4_nvfp4, dsv4_1_fp4, glm_nsa) beside dsv3_2 on the Hopper family at T=128 H=128; --profile: see below. Every 16-head plan runs on both families' tiles.
+//   dsv4_nvfp4, dsv4_1_fp4, glm_nsa) beside dsv3_2 on the Hopper family at T=128 H=128; --profile: see
+//   below. Every 16-head plan runs on both families' tiles.
 // JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
 // dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
 #include <cuda_runtime.h>
