@@ -7,13 +7,6 @@
 
 #include "kernels/common/formats.h"
 
-// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 keeps arbitrary FP32 scales (glm_*) out of
-// the tile (FP8 × 2^e there, the mantissas applied to the scores and to P in FP32); 0 converts them
-// like every other scale.
-#ifndef JSMLA_EXACT_SCALES_IN_TILE
-#define JSMLA_EXACT_SCALES_IN_TILE 1
-#endif
-
 namespace jsmla::cuda {
 
 // Bytes of the scale record one row needs: all FP32 scales of an inline row, or the footer scale row.
@@ -43,11 +36,8 @@ struct LoaderGeometry {
   static constexpr int kScaleRecordBytes = scale_record_bytes(kF);
   // One thread's private copy of its row's scale record (whole 16-byte cp.async units).
   static constexpr int kScaleSlotBytes = (kScaleRecordBytes + 15) / 16 * 16;
-  // Scales that are not powers of two: their mantissas are applied in FP32 by the kernel
-  // (JSMLA_EXACT_SCALES_IN_TILE 0: converted like any other scale instead, FP8 × scale in FP32 rounded
-  // once to BF16).
-  static constexpr bool kExactScales =
-      JSMLA_EXACT_SCALES_IN_TILE && row_conversion(kF) == RowConversion::kExactScales;
+  // Scales that are not powers of two: their mantissas are applied in FP32 by the kernel.
+  static constexpr bool kExactScales = row_conversion(kF) == RowConversion::kExactScales;
   static constexpr int kNumGroups = kF.num_groups;
   // Per-row factors of kExactScales (floats): mantissa[g][row], then ratio[g][row] = m_g / m_{g+1}
   // (m_G = 1: the unscaled BF16 lanes after the last group).
