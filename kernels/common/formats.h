@@ -125,8 +125,8 @@ static_assert(table_consistent(), "format table rows must be self-consistent and
 // One of `slices` equal lane slices of a format's quantized lanes, as the kernels that split every row
 // between the blocks of a cluster see it (the Hopper family's tile of dots3_swa rows): the slice has the
 // format's layout, scales and row addressing, quant_dim / slices quantized lanes in num_groups / slices
-// scale groups, the format's BF16 lanes after them (slice 0 gathers them; the others leave them zero)
-// and V as its quantized lanes. Slice s reads the quantized bytes from s * quant_bytes() and the scales
+// scale groups, the format's BF16 lanes after them (which slices gather them is the kernel's choice:
+// load_tile.cuh, slice_gathers) and V as its quantized lanes. Slice s reads the quantized bytes from s * quant_bytes() and the scales
 // from group s * num_groups of the format's row.
 constexpr FormatTraits lane_slice(const FormatTraits& f, int slices) {
   if (slices == 1) return f;

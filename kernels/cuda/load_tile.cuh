@@ -39,21 +39,34 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
   using Geometry::kUnits;
   using Geometry::kUnitsPerThread;
 
+  // Whether lane slice `slice` gathers unit `unit` of a row: every quantized unit of its own lanes; the
+  // BF16 units in slice 0 only, or (kSplitTrailing) each slice its kBf16Units / kLaneSlices consecutive
+  // ones. The units a slice does not gather stay as they are in its staging area.
+  template <bool kSplitTrailing>
+  static JSMLA_DEVICE bool slice_gathers(int unit, int slice) {
+    if (kLaneSlices == 1 || unit < kQuantUnits) return true;
+    if constexpr (kSplitTrailing) return (unit - kQuantUnits) / (kBf16Units / kLaneSlices) == slice;
+    return slice <= 0;  // slice 0
+  }
+
   // Starts the copies of this thread's units of one candidate row (slot must be valid). kLaneSlices > 1:
-  // of lane slice `slice` of the row (its quantized bytes; the BF16 lanes in slice 0 only, whose staged
-  // units the other slices leave as they are) and the whole scale record (slice s's scales start
-  // s * kSliceScaleBytes into the slot).
+  // of lane slice `slice` of the row (its quantized bytes and the BF16 units slice_gathers gives it) and
+  // the whole scale record (slice s's scales start s * kSliceScaleBytes into the slot).
+  template <bool kSplitTrailing = false>
   static JSMLA_DEVICE void issue(const CacheView& cache, int64_t slot, uint8_t* staged_row, uint8_t* scale_slot,
                                  int sub, int slice = 0) {
     const uint8_t* row = cache.data_row(slot);
-    if constexpr (kLaneSlices > 1) row += slice * kF.quant_bytes();
+    const uint8_t* const trailing = row;  // the BF16 lanes' offset is from the row's start
+    if constexpr (kLaneSlices > 1) row += slice * kF.quant_bytes();  // this slice's quantized lanes
 #pragma unroll
     for (int i = 0; i < kUnitsPerThread; ++i) {
       const int unit = sub + i * kThreadsPerRow;
-      if (kLaneSlices > 1 && slice > 0 && unit >= kQuantUnits) continue;
+      if (!slice_gathers<kSplitTrailing>(unit, slice)) continue;
       if (unit < kUnits) {
-        const uint8_t* source =
-            unit < kQuantUnits ? row + 16 * unit : row + kF.bf16_offset + 16 * (unit - kQuantUnits);  // BF16: slice 0 only
+        // (Without the split only slice 0, whose row is not moved, gathers the BF16 lanes.)
+        const uint8_t* source = unit < kQuantUnits ? row + 16 * unit
+                                                   : (kSplitTrailing ? trailing : row) + kF.bf16_offset +
+                                                         16 * (unit - kQuantUnits);
         cp_async_16(staged_row + 16 * unit, source);
       }
     }

@@ -21,6 +21,13 @@
 #include "kernels/cuda/hopper/config_h16.h"
 #include "kernels/cuda/loader_geometry.h"
 
+// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 splits the trailing BF16 lanes (the
+// rope) of a lane-sliced row between the blocks of a cluster, each gathering and multiplying its half;
+// 0 leaves them all to block 0 (the other blocks' Q and tile hold zeros there).
+#ifndef JSMLA_LANE_SLICE_ROPE_SPLIT
+#define JSMLA_LANE_SLICE_ROPE_SPLIT 0
+#endif
+
 namespace jsmla::cuda::hopper {
 
 // Shared memory per block on sm_90 (opt-in maximum).
@@ -77,6 +84,11 @@ struct HopperConfig {
   static constexpr int kDv = kF.d_v;
   static constexpr int kDvPerGroup = kDv / kConsumerGroups;  // wgmma N of P·V
   static constexpr int kKSteps = kDqk / 16;                  // k16 steps of S (all the scorer's)
+  // Lane slices: whether the blocks split the trailing BF16 lanes (JSMLA_LANE_SLICE_ROPE_SPLIT), and then
+  // the k16 steps of the quantized lanes and each block's share of the trailing ones.
+  static constexpr bool kSplitTrailingLanes = kLaneSlices > 1 && JSMLA_LANE_SLICE_ROPE_SPLIT;
+  static constexpr int kQuantKSteps = kF.quant_dim / 16;
+  static constexpr int kTrailingKSteps = (kKSteps - kQuantKSteps) / kLaneSlices;
   static constexpr int kOutRegisters = kDvPerGroup / 2;      // FP32 accumulators of O per thread
   static constexpr int kAtomBytes = 128;                     // one swizzle row: 64 BF16 values
 
@@ -211,6 +223,9 @@ struct HopperConfig {
   static_assert(kExchangeOffset % 16 == 0 && kExchangeBarrierOffset % 8 == 0,
                 "exchange buffers take 16-byte stores, transaction barriers are 8-byte words");
   static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
+  static_assert(!kSplitTrailingLanes || ((kKSteps - kQuantKSteps) % kLaneSlices == 0 &&
+                                         Geometry::kBf16Units % kLaneSlices == 0 && kF.quant_dim % 16 == 0),
+                "split trailing lanes: each block's share is whole k16 steps and whole 16-byte units");
 };
 
 // 16 heads a block: the transposed tile of config_h16.h.

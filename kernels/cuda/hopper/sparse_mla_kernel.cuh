@@ -101,8 +101,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     auto issue_row = [&](const PendingRow& row, int b) {
       const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
       if (valid) {
-        Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row(b), scale_slot(b), load_sub,
-                      slice);
+        Loader::template issue<Cfg::kSplitTrailingLanes>(pending_cache<Loader::kF.dual_cache>(a, row), row.index,
+                                                          staged_row(b), scale_slot(b), load_sub, slice);
       }
       cp_async_commit();
       return valid;
@@ -168,13 +168,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       }
     } else {
       if constexpr (kSlices > 1) {
-        // Slices past 0 never gather the BF16 lanes (slice 0's): their staged units stay zero, so the
-        // tile's BF16 columns are zero, as is this block's Q there.
-        if (slice > 0) {
+        // The BF16 units this block never gathers (Loader::slice_gathers) stay zero in its staging, so
+        // the tile's columns there are zero (and, without the split, so is this block's Q there).
+        if (Cfg::kSplitTrailingLanes || slice > 0) {
 #pragma unroll
           for (int u = 0; u < Loader::kUnitsPerThread; ++u) {
             const int unit = load_sub + u * Loader::kThreadsPerRow;
-            if (unit < Loader::kQuantUnits || unit >= Loader::kUnits) continue;
+            if (unit < Loader::kQuantUnits || unit >= Loader::kUnits ||
+                Loader::template slice_gathers<Cfg::kSplitTrailingLanes>(unit, slice)) {
+              continue;
+            }
             for (int b = 0; b < 2; ++b) *reinterpret_cast<uint4*>(staged_row(b) + 16 * unit) = make_uint4(0, 0, 0, 0);
           }
         }
@@ -216,8 +219,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // in flight at once, so the load costs one round trip (the handler checks that q is 16-byte aligned).
   {
     constexpr int kConsumerThreads = 128 * Cfg::kConsumerGroups;
-    copy_q_rows<Cfg::kHeadTile, Cfg::kDqk, kConsumerThreads, kSlices, Cfg::kRowDqk>(q_smem, a.q, token, num_heads,
-                                                                                 head_begin, consumer_thread, slice);
+    copy_q_rows<Cfg::kHeadTile, Cfg::kDqk, kConsumerThreads, kSlices, Cfg::kRowDqk, Cfg::kSplitTrailingLanes>(
+        q_smem, a.q, token, num_heads, head_begin, consumer_thread, slice);
     fence_proxy_async_shared();
     named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
   }
@@ -308,7 +311,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
           // k-step ks into `acc` (overwriting it unless `accumulate`): columns [16 ks, 16 ks + 16) of Q and
           // of the tile.
-          auto score_step = [&](float (&acc)[kN / 2], int ks, int accumulate) {  // ks a constant: unrolled
+          auto score_step = [&](float (&acc)[kN / 2], int ks, int accumulate) {  // ks a constant once unrolled
             const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
             const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
             wgmma_score_ss(acc, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset), accumulate);
@@ -372,8 +375,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             // S of this tile queues behind the previous tile's P·V on the tensor cores: its issue does
             // not wait for that P·V, and the previous buffer goes back as soon as the P·V is done.
             wgmma_fence();
+            if constexpr (Cfg::kSplitTrailingLanes) {
+              // The slice's quantized lanes, then its share of the trailing lanes (a run-time offset).
 #pragma unroll
-            for (int ks = 0; ks < Cfg::kKSteps; ++ks) score_step(score_registers, ks, ks > 0 ? 1 : 0);
+              for (int ks = 0; ks < Cfg::kQuantKSteps; ++ks) score_step(score_registers, ks, ks > 0 ? 1 : 0);
+              const int first_trailing = Cfg::kQuantKSteps + slice * Cfg::kTrailingKSteps;
+#pragma unroll
+              for (int ks = 0; ks < Cfg::kTrailingKSteps; ++ks) score_step(score_registers, first_trailing + ks, 1);
+            } else {
+#pragma unroll
+              for (int ks = 0; ks < Cfg::kKSteps; ++ks) score_step(score_registers, ks, ks > 0 ? 1 : 0);
+            }
             wgmma_commit();
             if (Cfg::kScorerPVInFlight && i > 0) {
               wgmma_wait<1>();

@@ -60,8 +60,9 @@ JSMLA_DEVICE int swizzled_offset(int row, int dim, int rows) {
 // for this thread's copies. The caller then fences them into the async proxy and meets the other
 // copying threads at a barrier. kSlices > 1 (lane slices, config.h): q rows are kRowDqk wide (kSlices
 // runs of quantized lanes, then the trailing BF16 lanes) and the operand is lane slice `slice` of them:
-// the slice's quantized lanes, then the trailing lanes in slice 0 and zeros in the others.
-template <int kRows, int kDqk, int kThreads, int kSlices = 1, int kRowDqk = kDqk>
+// the slice's quantized lanes, then the trailing lanes in slice 0 (in every slice with kSplitTrailing,
+// where each block multiplies its share of them) and zeros in the others.
+template <int kRows, int kDqk, int kThreads, int kSlices = 1, int kRowDqk = kDqk, bool kSplitTrailing = false>
 JSMLA_DEVICE void copy_q_rows(uint8_t* q_smem, const uint16_t* q, int64_t token, int num_heads, int head_begin,
                               int thread, int slice = 0) {
   constexpr int kChunksPerRow = kDqk / 8;
@@ -76,7 +77,8 @@ JSMLA_DEVICE void copy_q_rows(uint8_t* q_smem, const uint16_t* q, int64_t token,
     if constexpr (kSlices == 1) {
       return dim;
     } else {
-      return dim < kQuantLanes ? slice * kQuantLanes + dim : (slice == 0 ? kSlices * kQuantLanes + (dim - kQuantLanes) : -1);
+      return dim < kQuantLanes ? slice * kQuantLanes + dim
+                               : (slice == 0 || kSplitTrailing ? kSlices * kQuantLanes + (dim - kQuantLanes) : -1);
     }
   };
 #pragma unroll
