@@ -34,7 +34,8 @@ def rounded_rows(cache: np.ndarray, kv_format: str) -> np.ndarray:
     fmt = jsm.get_format(kv_format)
     exact = np.asarray(jsm.dequantize_kv(cache, kv_format)[0], np.float64)
     lanes = fmt.quant_dim
-    # FP8 × scale is exact in float64 and its float32 rounding is the product a float32 multiply gives.
+    # dequantize_kv's quantized lanes are the float32 products FP8 × scale, as the loader's FP32 multiply
+    # gives them; the FP32 path then rounds each once to BF16.
     return np.concatenate([_bf16(exact[:, :lanes]), exact[:, lanes:]], axis=1)
 
 

@@ -46,7 +46,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
   static JSMLA_DEVICE bool slice_gathers(int unit, int slice) {
     if (kLaneSlices == 1 || unit < kQuantUnits) return true;
     if constexpr (kSplitTrailing) return (unit - kQuantUnits) / (kBf16Units / kLaneSlices) == slice;
-    return slice <= 0;  // slice 0
+    return slice <= 0;  // slice 0 (written as the test it replaced, which keeps the SASS unchanged)
   }
 
   // Starts the copies of this thread's units of one candidate row (slot must be valid). kLaneSlices > 1:
