@@ -32,3 +32,23 @@ def test_rounded_rows_round_only_the_scaled_lanes():
     assert np.array_equal(rounded[:, 512:], exact[:, 512:])  # the BF16 rope lanes as stored
     assert not np.array_equal(rounded[:, :512], exact[:, :512])
     np.testing.assert_allclose(rounded[:, :512], exact[:, :512], rtol=2 ** -8, atol=0)
+
+
+def test_an_fp16_tile_keeps_the_sharp_scores_inside_the_bounds():
+    sharp = scale_rounding_accuracy.measure("glm_nsa", tokens=2, heads=4, topk=256, sharpen=16.0)
+    assert sharp["FP16 tile"][0] <= scale_rounding_accuracy.BOUND_MAX / 4
+    assert sharp["FP16 tile"][0] * 4 < sharp["FP32 path"][0]
+
+
+def test_fp16_rows_keep_every_scaled_lane_below_2_to_the_10():
+    import jax_sparse_mla as jsm
+
+    rng = np.random.default_rng(2)
+    kv = (rng.standard_normal((64, 576)) * np.exp2(rng.uniform(-20, 20, (64, 1)))).astype(np.float32)
+    cache = np.asarray(jsm.quantize_kv(kv, "glm_nsa"))
+    exact = np.asarray(jsm.dequantize_kv(cache, "glm_nsa")[0], np.float64)
+    rows, e = scale_rounding_accuracy.fp16_rows(cache, "glm_nsa")
+    scaled = np.abs(exact[:, :512]) * np.ldexp(1.0, -e)[:, None]
+    assert scaled.max() < 2 ** 10  # FP16 holds every lane (its largest finite value is 65504)
+    np.testing.assert_allclose(rows[:, :512], exact[:, :512], rtol=2 ** -11, atol=0)
+    assert np.array_equal(rows[:, 512:], exact[:, 512:])
