@@ -21,7 +21,6 @@
 #include "kernels/common/cache_view.h"
 #include "kernels/common/numeric.h"
 #include "kernels/cuda/device_utils.cuh"
-#include "kernels/cuda/fp16_rows.cuh"
 #include "kernels/cuda/loader_geometry.h"
 
 namespace jsmla::cuda {
@@ -163,54 +162,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     } else {
       convert_units<false>(units, 0, kUnitsPerThread, scale_slot, sub, store);
     }
-  }
-
-  // Arbitrary FP32 scales into an FP16 tile (fp16_rows.cuh; the Hopper 64-head tile's kFp16Tile): this
-  // thread's units of a row, each value times 2^-E rounded once to FP16 (an FP8 value times its group's
-  // scale · 2^-E in FP32), where E comes from the row's largest group scale times 448 (the largest e4m3
-  // magnitude) and largest BF16 lane, gathered from the row's kThreadsPerRow threads; returns E
-  // (fp16_rows::kNoExponent for a masked row, whose units are zeros and whose staging is never read).
-  // Every lane of the warp calls it (the row maximum is a shuffle).
-  template <int kBatch, class Store>
-  static JSMLA_DEVICE int convert_fp16_row(bool valid, const uint8_t* staged_row, const uint8_t* scale_slot, int sub,
-                                           Store&& store) {
-    static_assert(kExactScales && kF.quant_bits == 8 && kUniformUnits && kUnitsPerThread <= kBatch &&
-                      kThreadsPerRow == 4,
-                  "FP16 rows: FP8 lanes with FP32 scales, a row's units in one batch of a quad's registers");
-    uint4 units[kUnitsPerThread];
-    uint32_t max_bits = 0;  // the row's largest magnitude, as float bits (non-negative: ordered as integers)
-    if (valid) {
-      load_units(staged_row, sub, 0, kUnitsPerThread, units);
-#pragma unroll
-      for (int g = 0; g < kNumGroups; ++g) {
-        max_bits = max(max_bits, __float_as_uint(fabsf(group_scale_of(scale_slot, g)) * 448.0f));
-      }
-#pragma unroll
-      for (int i = 0; i < kUnitsPerThread; ++i) {
-        if (!quant_unit(i, sub + i * kThreadsPerRow)) max_bits = max(max_bits, fp16_rows::bf16x8_max_bits(units[i]));
-      }
-    }
-    const int e = fp16_rows::row_exponent(fp16_rows::quad_max(max_bits));
-    if (!valid) {
-      store_zero_units(sub, store);
-      return fp16_rows::kNoExponent;
-    }
-    const float down = fp16_rows::power_of_two(-e);
-#pragma unroll
-    for (int i = 0; i < kUnitsPerThread; ++i) {
-      const int unit = sub + i * kThreadsPerRow;
-      if (quant_unit(i, unit)) {
-        const float factor = group_scale_of(scale_slot, scale_group(unit)) * down;
-        const uint4 fp8 = units[i];
-        store(16 * unit, make_uint4(fp8x2_to_f16x2(fp8.x, factor), fp8x2_to_f16x2(fp8.x >> 16, factor),
-                                    fp8x2_to_f16x2(fp8.y, factor), fp8x2_to_f16x2(fp8.y >> 16, factor)));
-        store(16 * unit + 8, make_uint4(fp8x2_to_f16x2(fp8.z, factor), fp8x2_to_f16x2(fp8.z >> 16, factor),
-                                        fp8x2_to_f16x2(fp8.w, factor), fp8x2_to_f16x2(fp8.w >> 16, factor)));
-      } else {
-        store(kF.quant_dim + 8 * (unit - kQuantUnits), fp16_rows::bf16x8_to_f16x8(units[i], down));
-      }
-    }
-    return e;
   }
 
   // kExactScales only: writes row `row`'s mantissas and ratios (1 for a masked row, whose tile row
@@ -501,12 +452,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(packed & 0xffffu), __NV_E4M3);
     const float2 values = __half22float2(__half2(pair));
     return pack_bf16x2(values.x * scale, values.y * scale);
-  }
-  // The same rounded once to an FP16 pair.
-  static JSMLA_DEVICE uint32_t fp8x2_to_f16x2(uint32_t packed, float scale) {
-    const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(packed & 0xffffu), __NV_E4M3);
-    const float2 values = __half22float2(__half2(pair));
-    return fp16_rows::pack_f16x2(values.x * scale, values.y * scale);
   }
 };
 

@@ -28,12 +28,6 @@
 #define JSMLA_LANE_SLICE_ROPE_SPLIT 0
 #endif
 
-// Compile-time knob for A/B timing: 1 puts rows with arbitrary FP32 scales (glm_*) into the 64-head
-// tile as FP16 lanes (kFp16Tile below) instead of FP8 × 2^e with the mantissas applied by the consumers.
-#ifndef JSMLA_HOPPER_FP16_SCALED_TILE
-#define JSMLA_HOPPER_FP16_SCALED_TILE 0
-#endif
-
 namespace jsmla::cuda::hopper {
 
 // Shared memory per block on sm_90 (opt-in maximum).
@@ -107,18 +101,10 @@ struct HopperConfig {
   static constexpr int kPBuffers = kWideTiles ? 1 : 2;
   // Staged units a producer thread loads before converting them (bounded by its registers).
   static constexpr int kConvertBatch = 10;
-  // Arbitrary FP32 scales (glm_*), two ways:
-  //   kFp16Tile (JSMLA_HOPPER_FP16_SCALED_TILE): the tile holds each row as FP16 lanes, the row's
-  //     values times 2^-E rounded once (E from the row's largest scale and BF16 lane, so every lane is
-  //     below 2^15; load_tile.cuh: convert_fp16_row), and Q likewise per head row (2^-E_q). The kernel is
-  //     the power-of-two formats' one with FP16 wgmmas: S is scaled by 2^(E_q + E) per score, P by
-  //     2^(E - E_max) per candidate (E_max: the block's largest E so far; O is rescaled when it grows),
-  //     and O by 2^E_max at the end. Rows of 32 candidates, one lane slice.
-  //   otherwise (kExactScales): the tile holds FP8 × 2^e, and the consumers apply each candidate's
-  //     mantissas in FP32 — to each scale group's partial scores, to P once per group of V columns, so a
-  //     consumer's half of d_v runs as kPVariants m64n(256 / kPVariants) wgmmas, each with its own P.
-  static constexpr bool kFp16Tile = JSMLA_HOPPER_FP16_SCALED_TILE && Geometry::kExactScales && kLaneSlices == 1;
-  static constexpr bool kExactScales = Geometry::kExactScales && !kFp16Tile;
+  // Arbitrary FP32 scales (glm_*): the tile holds FP8 × 2^e, and the consumers apply each candidate's
+  // mantissas in FP32 — to each scale group's partial scores, to P once per group of V columns, so a
+  // consumer's half of d_v runs as kPVariants m64n(256 / kPVariants) wgmmas, each with its own P.
+  static constexpr bool kExactScales = Geometry::kExactScales;
   static constexpr int kGroupKSteps = kExactScales ? kF.group_size / 16 : 0;   // k16 steps per scale group
   static constexpr int kPVariants = kExactScales ? kDvPerGroup / kF.group_size : 1;
   // The scorer leaves its P·V of tile i in flight behind S of tile i + 1 (its A fragments then live
@@ -133,9 +119,8 @@ struct HopperConfig {
   //   layout (K-major A of wgmma; one swizzle row per head): the second consumer's P, one variant per
   //   scale group of its columns;
   //   two staging areas of raw rows and two sets of per-thread scale slots (none for direct tiles), kStages
-  //   score-bias rows, kPBuffers rows of rescale factors, the final row maxima and sums (and kFp16Tile's
-  //   exponents of Q and E_max), two stages of per-candidate mantissas and ratios (exact scales only; the
-  //   ratios serve the portable family) or of per-candidate exponents (kFp16Tile);
+  //   score-bias rows, kPBuffers rows of rescale factors, the final row maxima and sums, two stages of
+  //   per-candidate mantissas and ratios (exact scales only; the ratios serve the portable family);
   //   lane slices only: two score-exchange buffers (by tile parity), which the other block of the
   //   cluster writes its partial scores into, and their two transaction barriers.
   static constexpr int kQBytes = kHeadTile * kDqk * 2;
@@ -147,10 +132,8 @@ struct HopperConfig {
   static constexpr int kScaleSlotsBytes = Geometry::kScaleRecordBytes > 0 ? kProducerThreads * Geometry::kScaleSlotBytes : 0;
   static constexpr int kBiasBytes = kCandidateTile * 4;
   static constexpr int kRescaleBytes = kHeadTile * 4;                  // one factor per head row
-  // Max and sum per head row; kFp16Tile: then Q's exponent E_q per head row and the block's E_max.
-  static constexpr int kFinalBytes = 2 * kHeadTile * 4 + (kFp16Tile ? kHeadTile * 4 + 16 : 0);
-  // One stage's mantissas and ratios (kExactScales) or its candidates' exponents E (kFp16Tile).
-  static constexpr int kFactorBytes = kFp16Tile ? kCandidateTile * 4 : kExactScales ? Geometry::kFactorFloats * 4 : 0;
+  static constexpr int kFinalBytes = 2 * kHeadTile * 4;                // max and sum per head row
+  static constexpr int kFactorBytes = Geometry::kFactorFloats * 4;     // one stage's mantissas and ratios
   // One exchange buffer: the scorer's kCandidateTile / 2 partial scores a thread, as float4 runs
   // [run][scorer thread] (a warp's 16-byte stores of one run are contiguous).
   static constexpr int kExchangeBytes = kLaneSlices > 1 ? 128 * (kCandidateTile / 2) * 4 : 0;
@@ -240,9 +223,6 @@ struct HopperConfig {
   static_assert(kExchangeOffset % 16 == 0 && kExchangeBarrierOffset % 8 == 0,
                 "exchange buffers take 16-byte stores, transaction barriers are 8-byte words");
   static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
-  static_assert(!kFp16Tile || (!kWideTiles && kF.quant_bits == 8 && kF.layout == Layout::kInline &&
-                               Geometry::kUnitsPerThread <= kConvertBatch),
-                "FP16 tiles: staged FP8 rows with inline FP32 scales, a row's units converted in one batch");
   static_assert(!kSplitTrailingLanes || ((kKSteps - kQuantKSteps) % kLaneSlices == 0 &&
                                          Geometry::kBf16Units % kLaneSlices == 0 && kF.quant_dim % 16 == 0),
                 "split trailing lanes: each block's share is whole k16 steps and whole 16-byte units");

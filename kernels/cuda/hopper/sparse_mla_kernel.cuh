@@ -56,8 +56,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   auto tile_buffer = [&](int b) { return smem + Cfg::kTileOffset + b * Cfg::kTileBytes; };
   // Exact scales: stage b's per-candidate mantissas [group][candidate] (then ratios, unused here).
   auto factors = [&](int b) { return reinterpret_cast<float*>(smem + Cfg::kFactorOffset + b * Cfg::kFactorBytes); };
-  // FP16 tiles (config.h: kFp16Tile): stage b's per-candidate exponents E [candidate].
-  auto exponents = [&](int b) { return reinterpret_cast<int*>(smem + Cfg::kFactorOffset + b * Cfg::kFactorBytes); };
 
   // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
   // results before reading them).
@@ -194,15 +192,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
         uint8_t* const tile = tile_buffer(b);
         const bool valid = (staged_valid >> b) & 1u;
-        auto store = [&](int dim, uint4 values) {
+        Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b) + slice * Loader::kSliceScaleBytes, load_sub, [&](int dim, uint4 values) {
           *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
-        };
-        if constexpr (Cfg::kFp16Tile) {
-          const int e = Loader::template convert_fp16_row<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b), load_sub, store);
-          if (load_sub == 0) exponents(b)[load_row] = e;
-        } else {
-          Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b) + slice * Loader::kSliceScaleBytes, load_sub, store);
-        }
+        });
         if (load_sub == 0) {
           score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
           if constexpr (Cfg::kExactScales) Loader::write_factors(valid, scale_slot(b), factors(b), load_row);
@@ -223,11 +215,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int warp = (consumer_thread % 128) / 32;                    // 16 head rows each
   const int lane = threadIdx.x % 32;
 
-  // kFp16Tile: Q's exponent E_q per head row, and the block's largest candidate exponent E_max (after the
-  // row maxima and sums).
-  int* const q_exponents = reinterpret_cast<int*>(smem + Cfg::kFinalOffset) + 2 * Cfg::kHeadTile;
-  int* const block_exponent = q_exponents + Cfg::kHeadTile;
-
   // Q of the 64-head tile → shared memory (rows past H are zero). Every 16-byte chunk's cp.async is
   // in flight at once, so the load costs one round trip (the handler checks that q is 16-byte aligned).
   {
@@ -236,29 +223,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         q_smem, a.q, token, num_heads, head_begin, consumer_thread, slice);
     fence_proxy_async_shared();
     named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
-    if constexpr (Cfg::kFp16Tile) {
-      // Each head row of Q times 2^-E_q in FP16 (fp16_rows.cuh; exact but for lanes 2^28 below the row's
-      // largest), in place: a quad of threads a row; E_q goes to q_exponents.
-      static_assert(kConsumerThreads == 4 * Cfg::kHeadTile && (Cfg::kDqk / 8) % 4 == 0,
-                    "four threads a Q row, as many 16-byte chunks each");
-      const int row = consumer_thread / 4;
-      uint32_t max_bits = 0;
-#pragma unroll
-      for (int c = consumer_thread % 4; c < Cfg::kDqk / 8; c += 4) {
-        max_bits = max(max_bits, fp16_rows::bf16x8_max_bits(
-                                     *reinterpret_cast<const uint4*>(q_smem + swizzled_offset(row, 8 * c, Cfg::kHeadTile))));
-      }
-      const int e = fp16_rows::row_exponent(fp16_rows::quad_max(max_bits));
-      const float down = fp16_rows::power_of_two(-e);
-#pragma unroll
-      for (int c = consumer_thread % 4; c < Cfg::kDqk / 8; c += 4) {
-        uint4* const chunk = reinterpret_cast<uint4*>(q_smem + swizzled_offset(row, 8 * c, Cfg::kHeadTile));
-        *chunk = fp16_rows::bf16x8_to_f16x8(*chunk, down);
-      }
-      if (consumer_thread % 4 == 0) q_exponents[row] = e;
-      fence_proxy_async_shared();
-      named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
-    }
   }
 
   // The rest runs with the consumer's half of d_v as a compile-time constant: every shared-memory
@@ -286,20 +250,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     fragment[3] = pack_bf16x2(p[2 * kk + 1][2] * m_hi.x, p[2 * kk + 1][3] * m_hi.y);
   };
   const int rows[2] = {16 * warp + lane / 4, 16 * warp + lane / 4 + 8};  // this thread's head rows
-  // The tile's and Q's 16-bit type (FP16 for kFp16Tile).
-  constexpr Operands kOperands = Cfg::kFp16Tile ? Operands::kF16 : Operands::kBf16;
   auto consume = [&](auto group_constant) {
     constexpr int group = decltype(group_constant)::value;  // 0: the scorer
     RunningSoftmax softmax;                                 // the scorer's; warpgroup 2 gets the result
-    // kFp16Tile: the largest exponent E of the candidates so far (the scorer's; O holds its rows in units
-    // of 2^block_e), this thread's rows' Q factors 2^E_q, and its columns' P factors 2^(E - block_e).
-    int block_e = fp16_rows::kNoExponent;
-    float q_factor[2] = {1.0f, 1.0f};
-    [[maybe_unused]] float2 p_factor[kN / 8];
-    if constexpr (Cfg::kFp16Tile && group == 0) {
-      q_factor[0] = fp16_rows::power_of_two(q_exponents[rows[0]]);
-      q_factor[1] = fp16_rows::power_of_two(q_exponents[rows[1]]);
-    }
     float out_acc[Cfg::kOutRegisters];
 #pragma unroll
     for (int i = 0; i < Cfg::kOutRegisters; ++i) out_acc[i] = 0.0f;
@@ -312,7 +265,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     };
     auto pv_rs = [&](int v, const uint32_t (&p)[4], SmemDescriptor vd) {
       if constexpr (kV == 1) {
-        wgmma_m64n256k16_rs<kOperands>(out_acc, p, vd);
+        wgmma_m64n256k16_rs(out_acc, p, vd);
       } else {
         static_assert(kV == 2, "P·V runs as one m64n256 or two m64n128 wgmmas per k16 step");
         wgmma_m64n128k16_rs(variant_acc(v), p, vd);
@@ -320,7 +273,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     };
     auto pv_ss = [&](int v, SmemDescriptor pd, SmemDescriptor vd) {
       if constexpr (kV == 1) {
-        wgmma_m64n256k16_ss<kOperands>(out_acc, pd, vd);
+        wgmma_m64n256k16_ss(out_acc, pd, vd);
       } else {
         wgmma_m64n128k16_ss(variant_acc(v), pd, vd);
       }
@@ -361,7 +314,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           auto score_step = [&](float (&acc)[kN / 2], int ks, int accumulate) {  // ks a constant once unrolled
             const uint32_t q_offset = (ks / 4) * Cfg::kQBlockBytes + (ks % 4) * 32;
             const uint32_t k_offset = (ks / 4) * Cfg::kTileBlockBytes + (ks % 4) * 32;
-            wgmma_score_ss<kOperands>(acc, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset), accumulate);
+            wgmma_score_ss(acc, q_descriptor.offset(q_offset), k_descriptor.offset(k_offset), accumulate);
           };
           // Once the previous tile's P·V (left in flight) is done and no other wgmma is: its accumulators
           // and A fragments are free again.
@@ -475,43 +428,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             }
           }
 
-          // FP16 tiles: S = S' · 2^E_q · 2^E per score (one factor at a time: a zero S' stays zero).
-          [[maybe_unused]] int2 column_e[kN / 8];  // this thread's columns' exponents (kFp16Tile)
-          if constexpr (Cfg::kFp16Tile) {
-#pragma unroll
-            for (int j = 0; j < kN / 8; ++j) {
-              column_e[j] = *reinterpret_cast<const int2*>(exponents(b) + 8 * j + 2 * (lane % 4));
-              const float fx = column_e[j].x == fp16_rows::kNoExponent ? 1.0f : fp16_rows::power_of_two(column_e[j].x);
-              const float fy = column_e[j].y == fp16_rows::kNoExponent ? 1.0f : fp16_rows::power_of_two(column_e[j].y);
-              score[j][0] = score[j][0] * q_factor[0] * fx;
-              score[j][1] = score[j][1] * q_factor[0] * fy;
-              score[j][2] = score[j][2] * q_factor[1] * fx;
-              score[j][3] = score[j][3] * q_factor[1] * fy;
-            }
-          }
           // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
           float rescale[2];
           softmax.update(score, score_bias + b * kN, a.sm_scale * kLog2e, lane, rescale);
-          if constexpr (Cfg::kFp16Tile) {
-            // The tile's largest E (over the quad's columns: all of the tile's) raises block_e: O, in units
-            // of 2^block_e, is rescaled with the softmax's factors; P carries 2^(E - block_e) <= 1.
-            int tile_e = fp16_rows::kNoExponent;
-#pragma unroll
-            for (int j = 0; j < kN / 8; ++j) tile_e = max(tile_e, max(column_e[j].x, column_e[j].y));
-            tile_e = fp16_rows::quad_max(tile_e);
-            if (tile_e > block_e) {
-              const float f = block_e == fp16_rows::kNoExponent ? 1.0f : fp16_rows::power_of_two_below(block_e - tile_e);
-              rescale[0] *= f;
-              rescale[1] *= f;
-              block_e = tile_e;
-            }
-#pragma unroll
-            for (int j = 0; j < kN / 8; ++j) {
-              p_factor[j] = make_float2(
-                  column_e[j].x == fp16_rows::kNoExponent ? 0.0f : fp16_rows::power_of_two_below(column_e[j].x - block_e),
-                  column_e[j].y == fp16_rows::kNoExponent ? 0.0f : fp16_rows::power_of_two_below(column_e[j].y - block_e));
-            }
-          }
           if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
           // One P buffer: warpgroup 2 hands it back (with the rescale row) once its P·V of the previous
           // tile has read it.
@@ -530,20 +449,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           for (int v = 0; v < kV; ++v) {
 #pragma unroll
             for (int kk = 0; kk < kN / 16; ++kk) {
+              pack_p(p_fragment[v][kk], score, kk, v, b);
               uint32_t theirs[4];
-              if constexpr (Cfg::kFp16Tile) {  // P · 2^(E - block_e) in FP16, the same for both consumers
-                const float2 lo = p_factor[2 * kk];
-                const float2 hi = p_factor[2 * kk + 1];
-                theirs[0] = fp16_rows::pack_f16x2(score[2 * kk][0] * lo.x, score[2 * kk][1] * lo.y);
-                theirs[1] = fp16_rows::pack_f16x2(score[2 * kk][2] * lo.x, score[2 * kk][3] * lo.y);
-                theirs[2] = fp16_rows::pack_f16x2(score[2 * kk + 1][0] * hi.x, score[2 * kk + 1][1] * hi.y);
-                theirs[3] = fp16_rows::pack_f16x2(score[2 * kk + 1][2] * hi.x, score[2 * kk + 1][3] * hi.y);
-#pragma unroll
-                for (int r = 0; r < 4; ++r) p_fragment[v][kk][r] = theirs[r];
-              } else {
-                pack_p(p_fragment[v][kk], score, kk, v, b);
-                pack_p(theirs, score, kk, kV + v, b);
-              }
+              pack_p(theirs, score, kk, kV + v, b);
               uint8_t* const p_rows = p_buffer(pb, v);
 #pragma unroll
               for (int half = 0; half < 2; ++half) {
@@ -617,7 +525,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           final_state[Cfg::kHeadTile + rows[r]] = softmax.row_sum[r];
         }
       }
-      if (Cfg::kFp16Tile && consumer_thread == 0) *block_exponent = block_e;
       named_barrier_arrive(Cfg::kFinalBarrier, 2 * Cfg::kScorerThreads);
     } else {
       named_barrier_sync(Cfg::kFinalBarrier, 2 * Cfg::kScorerThreads);
@@ -626,12 +533,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         softmax.row_max[r] = final_state[rows[r]];
         softmax.row_sum[r] = final_state[Cfg::kHeadTile + rows[r]];
       }
-      if constexpr (Cfg::kFp16Tile) block_e = *block_exponent;
-    }
-    if constexpr (Cfg::kFp16Tile) {  // O back from units of 2^block_e (no candidate: O is zero)
-      const float f = block_e == fp16_rows::kNoExponent ? 1.0f : fp16_rows::power_of_two(block_e);
-      const float both[2] = {f, f};
-      rescale_rows(out_acc, both);
     }
     store_rows<Cfg::kRowDv>(p, token, coordinates.split, {head_begin + rows[0], head_begin + rows[1]},
                             slice * Cfg::kDv + group * Cfg::kDvPerGroup + 2 * (lane % 4),

@@ -135,29 +135,16 @@ JSMLA_DEVICE void decrease_registers() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
-// The 16-bit input type of a wgmma: BF16, or FP16 (the FP16 tile of arbitrary FP32 scales, config.h).
-enum class Operands { kBf16, kF16 };
-
-// d[64x32] (+)= A[64x16] · B[16x32]: A and B in shared memory, both K-major, BF16 (or FP16) in, FP32
-// accumulators.
-#define JSMLA_WGMMA_M64N32K16_SS(TYPE)                                                                         \
-  asm volatile(                                                                                                \
-      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %20, 0;\n"                                         \
-      "mov.b64 da, {%16, %17};\nmov.b64 db, {%18, %19};\n"                                                     \
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                                              \
-      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, da, db, p, 1, 1, 0, 0;\n}\n"   \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),        \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])   \
-      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(accumulate))
-template <Operands kType = Operands::kBf16>
+// d[64x32] (+)= A[64x16] · B[16x32]: A and B in shared memory, both K-major, BF16 in, FP32 accumulators.
 JSMLA_DEVICE void wgmma_m64n32k16_ss(float (&d)[16], SmemDescriptor a, SmemDescriptor b, int accumulate) {
-  if constexpr (kType == Operands::kF16) {
-    JSMLA_WGMMA_M64N32K16_SS("f16");
-  } else {
-    JSMLA_WGMMA_M64N32K16_SS("bf16");
-  }
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %20, 0;\n"
+      "mov.b64 da, {%16, %17};\nmov.b64 db, {%18, %19};\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, da, db, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(accumulate));
 }
-#undef JSMLA_WGMMA_M64N32K16_SS
 
 // d[64x16] (+)= A[64x16] · B[16x16], both in shared memory, B K-major; A K-major (kTransposeA = 0) or
 // MN-major (1). The 16-head tile's Sᵀ = K·Qᵀ (A = K) and Oᵀ = Vᵀ·Pᵀ (A = Vᵀ, the tile read MN-major).
@@ -201,54 +188,36 @@ JSMLA_DEVICE void wgmma_m64n64k16_ss(float (&d)[32], SmemDescriptor a, SmemDescr
       : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(accumulate));
 }
 
-// S over one candidate tile: the m64n32 or m64n64 shape by the tile's width (FP16 operands: 32 only).
-template <Operands kType = Operands::kBf16, int kCount>
+// S over one candidate tile: the m64n32 or m64n64 shape by the tile's width.
+template <int kCount>
 JSMLA_DEVICE void wgmma_score_ss(float (&d)[kCount], SmemDescriptor a, SmemDescriptor b, int accumulate) {
   static_assert(kCount == 16 || kCount == 32, "S tiles are 32 or 64 candidates wide");
-  static_assert(kType == Operands::kBf16 || kCount == 16, "FP16 tiles are 32 candidates wide");
   if constexpr (kCount == 16) {
-    wgmma_m64n32k16_ss<kType>(d, a, b, accumulate);
+    wgmma_m64n32k16_ss(d, a, b, accumulate);
   } else {
     wgmma_m64n64k16_ss(d, a, b, accumulate);
   }
 }
 
 // d[64x256] += A[64x16] · B[16x256]: A in registers (the m16n8k16 A-fragment layout per warp), B in
-// shared memory MN-major (transposed), BF16 (or FP16) in, FP32 accumulators.
-#define JSMLA_WGMMA_M64N256K16_RS(TYPE)                                                                        \
-  asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %134, 0;\nmov.b64 db, {%132, %133};\n"        \
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " JSMLA_WGMMA_D128_REGISTERS        \
-               ", {%128, %129, %130, %131}, db, p, 1, 1, 1;\n}\n"                                               \
-               : JSMLA_WGMMA_D128(d)                                                                           \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.lo), "r"(b.hi), "r"(1))
-template <Operands kType = Operands::kBf16>
+// shared memory MN-major (transposed), BF16 in, FP32 accumulators.
 JSMLA_DEVICE void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], SmemDescriptor b) {
-  if constexpr (kType == Operands::kF16) {
-    JSMLA_WGMMA_M64N256K16_RS("f16");
-  } else {
-    JSMLA_WGMMA_M64N256K16_RS("bf16");
-  }
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %134, 0;\nmov.b64 db, {%132, %133};\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " JSMLA_WGMMA_D128_REGISTERS ", {%128, %129, %130, %131}, db, p, 1, 1, 1;\n}\n"
+      : JSMLA_WGMMA_D128(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.lo), "r"(b.hi), "r"(1));
 }
-#undef JSMLA_WGMMA_M64N256K16_RS
 
 // d[64x256] += A[64x16] · B[16x256]: A in shared memory K-major, B in shared memory MN-major
-// (transposed), BF16 (or FP16) in, FP32 accumulators.
-#define JSMLA_WGMMA_M64N256K16_SS(TYPE)                                                                        \
-  asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %132, 0;\nmov.b64 da, {%128, %129};\n"   \
-               "mov.b64 db, {%130, %131};\n"                                                                   \
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " JSMLA_WGMMA_D128_REGISTERS        \
-               ", da, db, p, 1, 1, 0, 1;\n}\n"                                                                  \
-               : JSMLA_WGMMA_D128(d)                                                                           \
-               : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(1))
-template <Operands kType = Operands::kBf16>
+// (transposed), BF16 in, FP32 accumulators.
 JSMLA_DEVICE void wgmma_m64n256k16_ss(float (&d)[128], SmemDescriptor a, SmemDescriptor b) {
-  if constexpr (kType == Operands::kF16) {
-    JSMLA_WGMMA_M64N256K16_SS("f16");
-  } else {
-    JSMLA_WGMMA_M64N256K16_SS("bf16");
-  }
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %132, 0;\nmov.b64 da, {%128, %129};\nmov.b64 db, {%130, %131};\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " JSMLA_WGMMA_D128_REGISTERS ", da, db, p, 1, 1, 0, 1;\n}\n"
+      : JSMLA_WGMMA_D128(d)
+      : "r"(a.lo), "r"(a.hi), "r"(b.lo), "r"(b.hi), "r"(1));
 }
-#undef JSMLA_WGMMA_M64N256K16_SS
 
 // d[64x128] += A[64x16] · B[16x128]: A in registers, B in shared memory MN-major (the exact-scale
 // formats' P·V, one scale group of V columns per call).
