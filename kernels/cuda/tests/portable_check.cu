@@ -1069,14 +1069,15 @@ int main(int argc, char** argv) {
     cudaFree(cache.device);
   }
 
-  // ---- dsv3_2 and dsv4 with scales on both sides of the loader's bit-path limit (see build_cache) ----
+  // ---- dsv3_2 and dsv4 with scales on both sides of the loader's bit-path limit (see build_cache), and
+  // glm_nsa's arbitrary scales spread as widely (FP8 codes at both ends of their range) ----
   if (!sanitize) {
-    for (FormatId id : {FormatId::kDsv32, FormatId::kDsv4}) {
+    for (FormatId id : {FormatId::kDsv32, FormatId::kDsv4, FormatId::kGlmNsa}) {
       const FormatTraits& f = format_traits(id);
       const bool dsv4 = id == FormatId::kDsv4;
+      const std::string name = id == FormatId::kDsv32 ? "dsv3_2" : dsv4 ? "dsv4" : "glm_nsa";
       HostCache cache = build_cache(f, 64, 64, dsv4 ? 576 : 656, 64 * (dsv4 ? 584 : 656), 19, fp8, true);
-      Problem pr{dsv4 ? "dsv4 T=4 H=64 k=512 wide scales" : "dsv3_2 T=4 H=64 k=512 wide scales", id, 4, 64, 512, 0,
-                 0.0417f, false, false};
+      Problem pr{name + " T=4 H=64 k=512 wide scales", id, 4, 64, 512, 0, 0.0417f, false, false};
       DeviceProblem d = make_problem(pr, &cache, nullptr, 91);
       run_case(d, decode_plan(64, 512, 2), all_tokens(4), 0);
       run_case(d, Plan{2, 16}, all_tokens(4), 0);
@@ -1084,8 +1085,7 @@ int main(int argc, char** argv) {
       run_case(d, on_hopper(Plan{2, 64}), all_tokens(4), 0);
       release(d);
       // 128 heads: two head tiles.
-      Problem pr128{dsv4 ? "dsv4 T=4 H=128 k=512 wide scales" : "dsv3_2 T=4 H=128 k=512 wide scales", id, 4, 128,
-                    512, 0, 0.0417f, false, false};
+      Problem pr128{name + " T=4 H=128 k=512 wide scales", id, 4, 128, 512, 0, 0.0417f, false, false};
       DeviceProblem d128 = make_problem(pr128, &cache, nullptr, 92);
       run_case(d128, on_hopper(decode_plan(64, 512, 2)), all_tokens(4), 0);
       run_case(d128, on_hopper(Plan{2, 64}), all_tokens(4), 0);
