@@ -21,11 +21,12 @@
 #include "kernels/cuda/hopper/config_h16.h"
 #include "kernels/cuda/loader_geometry.h"
 
-// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 splits the trailing BF16 lanes (the
-// rope) of a lane-sliced row between the blocks of a cluster, each gathering and multiplying its half;
-// 0 leaves them all to block 0 (the other blocks' Q and tile hold zeros there).
+// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 (the default) splits the trailing BF16
+// lanes (the rope) of a lane-sliced row between the blocks of a cluster, each gathering and multiplying
+// its half (0.97x the cluster tile's time against 0); 0 leaves them all to block 0 (the other blocks' Q
+// and tile hold zeros there).
 #ifndef JSMLA_LANE_SLICE_ROPE_SPLIT
-#define JSMLA_LANE_SLICE_ROPE_SPLIT 0
+#define JSMLA_LANE_SLICE_ROPE_SPLIT 1
 #endif
 
 namespace jsmla::cuda::hopper {
