@@ -9,12 +9,13 @@ rounded to BF16 in both as the kernels do, on random queries over a random `glm_
 by `quantize_kv`, and with the scores sharpened (query × 4 and × 16, as attention in trained models
 can be).
 
-A third column models a tile of FP16 lanes (rejected: it too rounds the scaled lanes to 16 bits, and
-leaves the bounds on rows of spread sizes) (11 significant bits, where BF16 has 8): each row's
+A third column models a tile of FP16 lanes (11 significant bits, where BF16 has 8): each row's
 quantized lanes as FP8 × scale × 2^-E in FP32 rounded once to FP16, E the exponent of the row's largest
 group scale (so every lane stays below 2^10 and the factor 2^E is exact, applied to the row's scores
 and to P in FP32), the BF16 lanes as stored, and P rounded to FP16 after the factor 2^(E - E_max) of
-its row (E_max: the largest E among the row's candidates, so P stays at most 1).
+its row (E_max: the largest E among the row's candidates, so P stays at most 1). It is not built: it
+too rounds the scaled lanes to 16 bits, and leaves the bounds on rows of spread sizes (the
+"rows × 2^±8" cases: each row of the cache times 2^u, u uniform in [-8, 8]).
 
     python benchmarks/scale_rounding_accuracy.py [--out benchmarks/results/scale_rounding_accuracy.md]
 """
@@ -111,8 +112,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="", help="also write the table (markdown) here")
     args = parser.parse_args()
-    lines = [f"Arbitrary FP32 scales: the exact tile against the FP32 conversion path and an FP16 tile (bounds: max {BOUND_MAX:g}, "
-             f"relative L2 {BOUND_L2:g}); max / relative L2 error of the output against the float64 reference",
+    lines = [f"Arbitrary FP32 scales: the exact tile against the FP32 conversion path and an FP16 tile (bounds: "
+             f"max {BOUND_MAX:g}, relative L2 {BOUND_L2:g}); max / relative L2 error of the output against the "
+             "float64 reference",
              "", "| format | T | H | topk | scores | exact tile | FP32 path | FP16 tile |", "|---|---|---|---|---|---|---|---|"]
     for kv_format in ("glm_nsa", "glm53_nope"):
         for topk in (64, 512, 2048):
