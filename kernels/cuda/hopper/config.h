@@ -36,7 +36,8 @@ inline constexpr int kMaxSharedBytes = 227 * 1024;
 
 // Blocks a (token, 64-head tile, split) takes: 1, or for rows whose V (d_v = 1024) a block's registers
 // do not hold, a cluster of 2 that splits every row's lanes (formats.h: lane_slice) — block r gathers and
-// converts slice r of every row (FP8 lanes [512 r, 512 r + 512), and block 0 the BF16 rope lanes),
+// converts slice r of every row (FP8 lanes [512 r, 512 r + 512), and its half of the BF16 rope lanes:
+// JSMLA_LANE_SLICE_ROPE_SPLIT),
 // computes the scores over its lanes, adds the other block's (exchanged through distributed shared
 // memory every tile: both blocks then hold the same scores bit for bit and run the same softmax) and
 // accumulates O over its slice's 512 V lanes, its half of the output columns.
@@ -220,7 +221,8 @@ struct HopperConfig {
   static_assert(kLaneSlices == 1 || (kLaneSlices == 2 && !kExactScales && !kWideTiles && kScorerPVInFlight &&
                                      kF.bf16_dim > 0 && kRowDv == kLaneSlices * kDv),
                 "lane slices: a two-block cluster of staged FP8 rows with power-of-two scales (one S chain "
-                "to exchange), slice 0 holding the BF16 lanes, each block one slice's columns of the output");
+                "to exchange), the BF16 lanes in every slice's traits (gathered by slice 0, or split between the "
+                "slices), each block one slice's columns of the output");
   static_assert(kExchangeOffset % 16 == 0 && kExchangeBarrierOffset % 8 == 0,
                 "exchange buffers take 16-byte stores, transaction barriers are 8-byte words");
   static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
