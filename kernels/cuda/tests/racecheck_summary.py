@@ -1,10 +1,14 @@
 """Groups compute-sanitizer racecheck reports by kernel, hazard kind and the two source sites.
 
 Usage: python3 racecheck_summary.py racecheck.log [examples]
+       compute-sanitizer --tool racecheck --print-limit 0 ... 2>&1 | python3 racecheck_summary.py - [examples]
 
 For each (kernel, hazard, first site, second site) it prints the count and, for the first `examples`
 groups (default 3), one report's lines as racecheck printed them (block and thread indices included),
 so that a reader can tell whether the two accesses are in one block and which warpgroups they are in.
+Then the number of reports read, and the lines of the log that are racecheck's summary or pytest's
+result (read from standard input, "-", the log itself is not kept: every report of a run can be counted
+without storing gigabytes of them).
 """
 import collections
 import re
@@ -33,7 +37,8 @@ def reports(lines):
 def sites(detail):
     """The file:line sites and kernel names a report's detail lines name."""
     found = re.findall(r"([\w./-]+\.(?:cuh|cu|h):\d+)", " ".join(detail))
-    kernels = re.findall(r"in (\S*sparse_mla\w*|\S*combine\w*|\S*probe\w*)", " ".join(detail))
+    # A kernel's name is an identifier followed by its template or parameter list (not a file name).
+    kernels = re.findall(r"(\w*(?:sparse_mla|combine|probe)\w*)[<(]", " ".join(detail))
     return found, kernels
 
 
@@ -42,8 +47,17 @@ def main():
     examples = int(sys.argv[2]) if len(sys.argv) > 2 else 3
     groups = collections.Counter()
     sample = {}
-    with open(path, errors="replace") as handle:
-        for header, detail in reports(handle):
+    tail = []  # racecheck's summary lines and pytest's result lines, as they come
+
+    def lines(handle):
+        for line in handle:
+            if "RACECHECK SUMMARY" in line or re.search(r"\d+ (passed|failed)", line):
+                tail.append(line.strip("= \n"))
+            yield line
+
+    handle = sys.stdin if path == "-" else open(path, errors="replace")
+    with handle:
+        for header, detail in reports(lines(handle)):
             kind = re.search(r"(RAW|WAR|WAW)", header)
             found, kernels = sites(detail)
             key = (kernels[0][:60] if kernels else "?", kind.group(1) if kind else "?",
@@ -52,12 +66,14 @@ def main():
             sample.setdefault(key, [header] + detail[:8])
     if not groups:
         print("racecheck summary: no hazard reports")
-        return
     for n, (key, count) in enumerate(groups.most_common()):
         print(f"{count:8d}  {key[1]}  {key[0]}  {' / '.join(key[2])}")
         if n < examples:
             for line in sample[key]:
                 print("          " + line.strip("= ")[:200])
+    print(f"reports read: {sum(groups.values())} in {len(groups)} groups")
+    for line in tail:
+        print(line)
 
 
 if __name__ == "__main__":
