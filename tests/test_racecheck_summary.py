@@ -11,7 +11,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "kernels" / "cuda" / "tests" /
 def report(hazard, write_line, read_line, backtrace=True):
     lines = [
         f"========= Error: Potential {hazard} hazard detected at __shared__ 0x38660 in block (16,0,0) :",
-        f"=========     Write Thread (160,0,0) at void sparse_mla_hopper_kernel(...) in /src/k/sparse_mla_kernel.cuh:{write_line}",
+        "=========     Write Thread (160,0,0) at auto void jsmla::cuda::hopper::sparse_mla_hopper_kernel<jsmla::cuda::"
+        "hopper::HopperConfig<(jsmla::FormatId)6, (int)64>>(jsmla::cuda::SplitKvParams)::[lambda(T1) (instance 1)]"
+        f"::operator ()<...>(T1) const in /src/k/sparse_mla_kernel.cuh:{write_line}",
         f"=========     Read Thread (288,0,0) at void sparse_mla_hopper_kernel(...) in /src/k/sparse_mla_kernel.cuh:{read_line}",
         "=========     Current Value : 0",
     ]
@@ -40,7 +42,7 @@ def test_groups_a_log_file(tmp_path):
     path = tmp_path / "racecheck.log"
     path.write_text(log_text(backtrace=True))
     out = run([str(path), "0"])
-    assert out[0].split() == ["3", "RAW", "sparse_mla_hopper_kernel", "sparse_mla_kernel.cuh:441", "/",
+    assert out[0].split() == ["3", "RAW", "sparse_mla_hopper_kernel<6,64>", "sparse_mla_kernel.cuh:441", "/",
                               "sparse_mla_kernel.cuh:490"]
     assert out[1].split()[:2] == ["1", "WAR"]
     assert "reports read: 4 in 2 groups" in out

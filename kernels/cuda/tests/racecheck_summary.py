@@ -37,8 +37,18 @@ def reports(lines):
 def sites(detail):
     """The file:line sites and kernel names a report's detail lines name."""
     found = re.findall(r"([\w./-]+\.(?:cuh|cu|h):\d+)", " ".join(detail))
-    # A kernel's name is an identifier followed by its template or parameter list (not a file name).
-    kernels = re.findall(r"(\w*(?:sparse_mla|combine|probe)\w*)[<(]", " ".join(detail))
+    # A kernel's name is an identifier followed by its template or parameter list (not a file name),
+    # with the FormatId and int arguments of its template when it has them (the instance).
+    kernels = []
+    text = " ".join(detail)
+    for match in re.finditer(r"(\w*(?:sparse_mla|combine|probe)\w*)([<(])", text):
+        name = match.group(1)
+        if match.group(2) == "<":
+            arguments = text[match.end():match.end() + 200].split(">(")[0]
+            numbers = re.findall(r"FormatId\)(\d+)|\(int\)(\d+)", arguments)
+            if numbers:
+                name += "<" + ",".join(a or b for a, b in numbers) + ">"
+        kernels.append(name)
     return found, kernels
 
 
