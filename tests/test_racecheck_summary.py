@@ -45,7 +45,7 @@ def test_groups_a_log_file(tmp_path):
     assert out[0].split() == ["3", "RAW", "sparse_mla_hopper_kernel<6,64>", "sparse_mla_kernel.cuh:441", "/",
                               "sparse_mla_kernel.cuh:490"]
     assert out[1].split()[:2] == ["1", "WAR"]
-    assert "reports read: 4 in 2 groups" in out
+    assert "reports read: 4 in 2 groups; 'hazard detected' seen 4 times" in out
     assert out[-2].startswith("46 passed") and out[-1].startswith("RACECHECK SUMMARY: 4 hazards")
 
 
@@ -53,10 +53,10 @@ def test_counts_reports_streamed_without_backtraces():
     out = run(["-", "1"], stdin=log_text(backtrace=False))
     assert out[0].split()[:2] == ["3", "RAW"]
     assert out[1].strip().startswith("Error: Potential RAW hazard")  # the first group's example report
-    assert "reports read: 4 in 2 groups" in out
+    assert "reports read: 4 in 2 groups; 'hazard detected' seen 4 times" in out
 
 
 def test_no_reports():
     out = run(["-"], stdin="12 passed in 3.0s\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
     assert out[0] == "racecheck summary: no hazard reports"
-    assert "reports read: 0 in 0 groups" in out
+    assert "reports read: 0 in 0 groups; 'hazard detected' seen 0 times" in out

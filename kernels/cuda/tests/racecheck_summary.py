@@ -58,9 +58,12 @@ def main():
     groups = collections.Counter()
     sample = {}
     tail = []  # racecheck's summary lines and pytest's result lines, as they come
+    mentions = [0]  # "hazard detected" anywhere in a line (a report whose header the test runner's
+    # output broke apart is counted here but not parsed)
 
     def lines(handle):
         for line in handle:
+            mentions[0] += line.count("hazard detected")
             if "RACECHECK SUMMARY" in line or re.search(r"\d+ (passed|failed)", line):
                 tail.append(line.strip("= \n"))
             yield line
@@ -81,7 +84,8 @@ def main():
         if n < examples:
             for line in sample[key]:
                 print("          " + line.strip("= ")[:200])
-    print(f"reports read: {sum(groups.values())} in {len(groups)} groups")
+    print(f"reports read: {sum(groups.values())} in {len(groups)} groups; "
+          f"'hazard detected' seen {mentions[0]} times")
     for line in tail:
         print(line)
 
