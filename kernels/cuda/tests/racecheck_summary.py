@@ -6,9 +6,9 @@ Usage: python3 racecheck_summary.py racecheck.log [examples]
 For each (kernel, hazard, first site, second site) it prints the count and, for the first `examples`
 groups (default 3), one report's lines as racecheck printed them (block and thread indices included),
 so that a reader can tell whether the two accesses are in one block and which warpgroups they are in.
-Then the number of reports read, and the lines of the log that are racecheck's summary or pytest's
-result (read from standard input, "-", the log itself is not kept: every report of a run can be counted
-without storing gigabytes of them).
+Then the number of reports read (beside how often "hazard detected" occurs in the log, a cross-check)
+and the lines that are racecheck's summary or pytest's result. "-" reads the log from standard input,
+so that every report of a run can be counted without storing the log (gigabytes with host backtraces).
 """
 import collections
 import re
@@ -58,8 +58,7 @@ def main():
     groups = collections.Counter()
     sample = {}
     tail = []  # racecheck's summary lines and pytest's result lines, as they come
-    mentions = [0]  # "hazard detected" anywhere in a line (a report whose header the test runner's
-    # output broke apart is counted here but not parsed)
+    mentions = [0]  # occurrences of "hazard detected" anywhere in a line, against the reports parsed
 
     def lines(handle):
         for line in handle:
