@@ -13,11 +13,10 @@ the test matrix draws them, and the same with the scores sharpened (query × 4),
 
 from __future__ import annotations
 
-import argparse
-
 import ml_dtypes
 import numpy as np
 
+import accuracy_tables
 import jax_sparse_mla as jsm
 
 BOUND_MAX, BOUND_L2 = 4e-2, 2.5e-2  # precision="fp8": max |out - ref| / max(1, max |ref|), relative L2
@@ -57,15 +56,12 @@ def measure(kv_format: str, tokens: int, heads: int, topk: int, sharpen: float, 
     rows = {}
     for mode in ("bf16", "e4m3", "e4m3 hi+lo"):
         out = np.einsum("thk,tkd->thd", _round_p(p, mode), v) / total
-        rows[mode] = (np.abs(out - ref).max() / max(1.0, np.abs(ref).max()),
-                      np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        rows[mode] = accuracy_tables.errors(out, ref)
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="", help="also write the table (markdown) here")
-    args = parser.parse_args()
+def table_lines():
+    """The table's markdown lines."""
     lines = [f"P·V rounding under precision=\"fp8\" (bounds: max {BOUND_MAX:g}, relative L2 {BOUND_L2:g}); "
              "max / relative L2 error of the output against the float64 reference",
              "| format | T | H | topk | scores | P in BF16 | P in e4m3 | P in e4m3 hi+lo |",
@@ -74,14 +70,9 @@ def main():
         for topk in (16, 256, 2048):
             for sharpen, label in ((1.0, "random"), (4.0, "sharpened ×4")):
                 rows = measure(kv_format, 8, 16, topk, sharpen)
-                cells = " | ".join(f"{m:.2e} / {l2:.2e}" for m, l2 in rows.values())
-                lines.append(f"| {kv_format} | 8 | 16 | {topk} | {label} | {cells} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+                lines.append(f"| {kv_format} | 8 | 16 | {topk} | {label} | {accuracy_tables.cells(rows)} |")
+    return lines
 
 
 if __name__ == "__main__":
-    main()
+    accuracy_tables.main(__doc__.splitlines()[0], table_lines)

@@ -22,11 +22,10 @@ too rounds the scaled lanes to 16 bits, and leaves the bounds on rows of spread 
 
 from __future__ import annotations
 
-import argparse
-
 import ml_dtypes
 import numpy as np
 
+import accuracy_tables
 import jax_sparse_mla as jsm
 
 BOUND_MAX, BOUND_L2 = 2e-2, 1e-2  # default precision: max |out - ref| / max(1, max |ref|), relative L2
@@ -103,15 +102,12 @@ def measure(kv_format: str, tokens: int, heads: int, topk: int, sharpen: float, 
                                    ("FP32 path", rounded_rows(cache, kv_format), _bf16, None),
                                    ("FP16 tile", fp16_tile, _fp16, exponents)):
         out = attend(tile, round_p, e)
-        rows[name] = (np.abs(out - ref).max() / max(1.0, np.abs(ref).max()),
-                      np.linalg.norm(out - ref) / np.linalg.norm(ref))
+        rows[name] = accuracy_tables.errors(out, ref)
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="", help="also write the table (markdown) here")
-    args = parser.parse_args()
+def table_lines():
+    """The table's markdown lines."""
     lines = [f"Arbitrary FP32 scales: the exact tile against the FP32 conversion path and an FP16 tile (bounds: "
              f"max {BOUND_MAX:g}, relative L2 {BOUND_L2:g}); max / relative L2 error of the output against the "
              "float64 reference",
@@ -121,14 +117,9 @@ def main():
             for sharpen, spread, label in ((1.0, 0, "random"), (4.0, 0, "sharpened ×4"), (16.0, 0, "sharpened ×16"),
                                            (1.0, 8, "random, rows × 2^±8"), (4.0, 8, "sharpened ×4, rows × 2^±8")):
                 rows = measure(kv_format, 4, 16, topk, sharpen, spread)
-                cells = " | ".join(f"{m:.2e} / {l2:.2e}" for m, l2 in rows.values())
-                lines.append(f"| {kv_format} | 4 | 16 | {topk} | {label} | {cells} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+                lines.append(f"| {kv_format} | 4 | 16 | {topk} | {label} | {accuracy_tables.cells(rows)} |")
+    return lines
 
 
 if __name__ == "__main__":
-    main()
+    accuracy_tables.main(__doc__.splitlines()[0], table_lines)
