@@ -174,24 +174,25 @@ case "$mode" in
       # prints every report (no host backtraces), streamed into racecheck_summary.py: the log is then the
       # grouped count of all of them, the raw reports (hundreds of MB) are not kept.
       limit=${JSMLA_RACECHECK_PRINT_LIMIT:-5000}
+      stream=0
       [ "$tool" = racecheck ] && extra="--racecheck-report all --print-limit $limit"
-      if [ "$tool" = racecheck ] && [ "$limit" = 0 ]; then
-        timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool racecheck $extra --show-backtrace no \
-          --error-exitcode 9 --target-processes all python3 -m pytest -q -p no:cacheprovider \
-          --continue-on-collection-errors -m gpu -k "$selection" "$repo/tests" 2>&1 \
-          | python3 "$repo/kernels/cuda/tests/racecheck_summary.py" - 3 > "$out/sanitizer_$tool.log"
+      [ "$tool" = racecheck ] && [ "$limit" = 0 ] && stream=1 && extra="$extra --show-backtrace no"
+      # shellcheck disable=SC2086  # $extra is a list of sanitizer flags
+      command=(timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" $extra --error-exitcode 9
+               --target-processes all python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors
+               -m gpu -k "$selection" "$repo/tests")
+      if [ "$stream" = 1 ]; then
+        "${command[@]}" 2>&1 | python3 "$repo/kernels/cuda/tests/racecheck_summary.py" - 3 > "$out/sanitizer_$tool.log"
         rc=${PIPESTATUS[0]}
       else
-        timeout "${JSMLA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool $tool $extra --error-exitcode 9 \
-          --target-processes all python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu -k "$selection" "$repo/tests" \
-          > "$out/sanitizer_$tool.log" 2>&1
+        "${command[@]}" > "$out/sanitizer_$tool.log" 2>&1
         rc=$?
       fi
       [ $rc -eq 0 ] || status=1
       echo "$tool: exit $rc; $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$out/sanitizer_$tool.log" | sort | uniq -c | tr '\n' ' ')"
       grep -E "passed|failed" "$out/sanitizer_$tool.log" | tail -1
       if [ "$tool" = racecheck ]; then  # the reports by kernel, hazard and site pair
-        if [ "$limit" = 0 ]; then
+        if [ "$stream" = 1 ]; then
           grep -E "^ +[0-9]+  |^reports read" "$out/sanitizer_$tool.log" | head -12
         else
           python3 "$repo/kernels/cuda/tests/racecheck_summary.py" "$out/sanitizer_$tool.log" 0 | head -12
