@@ -4,10 +4,12 @@
 # ab_tree.sh) is built, installed and timed in turn on JSMLA_AB_BENCH_ARGS's cases (each case checked
 # against the CPU kernel first), then the first tree again, so that the drift between builds shows; a
 # table of every case's time per run and each run's ratio to the first comes last
-# (ab_bench_table.py). Results: $OUT/<i>_<tree>/ (default OUT /tmp/jsmla_ab_bench).
+# (ab_bench_table.py). Results: $OUT/ab_bench.md, each run's log beside it, and its results and logs
+# ($OUT/<i>_<tree>/) packed into $OUT/runs.tgz, since a device call returns few files (default OUT
+# /tmp/jsmla_ab_bench).
 #
-#   bash benchmarks/ab_tree.sh pdl main JSMLA_SPLIT_KERNEL_PDL=1
-#   bash benchmarks/ab_bench.sh . .ab/pdl          # on a GPU machine (carry .ab)
+#   bash benchmarks/ab_tree.sh variant main NAME=value   # a `#define NAME` knob of the CUDA sources
+#   bash benchmarks/ab_bench.sh . .ab/variant            # on a GPU machine (carry .ab)
 set -uo pipefail
 [ $# -ge 1 ] || { echo "usage: ab_bench.sh <tree> [<tree> ...]"; exit 2; }
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,4 +27,5 @@ for i in "${!trees[@]}"; do
   echo "$name: $(tail -1 "$out/$name.log")"
 done
 python3 "$repo/benchmarks/ab_bench_table.py" "$out" | tee "$out/ab_bench.md" || status=1
+(cd "$out" && tar czf runs.tgz --remove-files -- [0-9]*_*/) || status=1
 exit $status

@@ -12,7 +12,8 @@
 # (AB_REPEAT_HEAD=0: not again). AB_QUICK_ALL=1: every tree runs the `--quick` matrix, not only the
 # working tree (AB_QUICK_TREES names the trees that do); AB_RACECHECK=1: every tree's `--sanitize` cases
 # also run under compute-sanitizer racecheck; AB_MODE=--ablate times only the dsv3_2 H = 128 rows (for
-# trees that leave a stage of the kernel out). Logs go to $OUT (default /tmp/jsmla_ab).
+# trees that leave a stage of the kernel out); AB_BASELINE=head: the ratios are to the working tree instead
+# of the first tree given (no separate baseline tree to build). Logs go to $OUT (default /tmp/jsmla_ab).
 set -uo pipefail
 out=${OUT:-/tmp/jsmla_ab}
 mkdir -p "$out"
@@ -69,7 +70,7 @@ if [ "${AB_RACECHECK:-0}" = 1 ]; then
 fi
 
 python3 - "$out" "${names[@]}" <<'EOF'
-import re, sys
+import os, re, sys
 out, names = sys.argv[1], sys.argv[2:]
 row = re.compile(r"^(.+?)\s+((?:H )?(?:decode|prefill) hpb=.*?)\s+(PASS|FAIL)\s+([0-9.]+) us")
 def rows(log):
@@ -85,7 +86,8 @@ runs = [(n, rows(f"headline_{n}.log")) for n in names]
 again = rows("headline_head_again.log")  # none with AB_REPEAT_HEAD=0: no column then
 runs += [("head again", again)] if again else []
 keys = list(runs[0][1]) or [k for _, r in runs for k in r]
-base = runs[1][1] if len(names) > 1 else runs[0][1]  # the first tree given, else the working tree
+# the first tree given, else (or with AB_BASELINE=head) the working tree
+base = runs[1][1] if len(names) > 1 and os.environ.get("AB_BASELINE") != "head" else runs[0][1]
 print("| case | plan | " + " | ".join(n for n, _ in runs) + " |")
 print("|---|---|" + "---|" * len(runs))
 for k in keys:

@@ -2,6 +2,7 @@
 case's step time per run side by side, each run's ratio to the first, and a failed check marked."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -52,3 +53,32 @@ def test_no_results(tmp_path, capsys):
 def test_script_needs_a_tree():
     result = subprocess.run(["bash", str(ROOT / "benchmarks" / "ab_bench.sh")], capture_output=True, text=True)
     assert result.returncode == 2 and "usage" in result.stdout
+
+
+def test_script_packs_each_run(tmp_path):
+    """The whole script over a stub gpu_session.sh: the table of the runs (the first tree again last) in
+    ab_bench.md, each run's folder packed into runs.tgz (a device call returns few files)."""
+    import shutil
+    import tarfile
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    for name in ("ab_bench.sh", "ab_bench_table.py"):
+        shutil.copy(ROOT / "benchmarks" / name, repo / "benchmarks" / name)
+    (repo / "benchmarks" / "gpu_session.sh").write_text(
+        "mkdir -p \"$OUT\"\n"
+        "us=$([ \"$(basename \"$JSMLA_SESSION_TREE\")\" = variant ] && echo 9.0 || echo 10.0)\n"
+        "printf '{\"device\": \"stub\", \"rows\": [{\"format\": \"dsv3_2\", \"T\": 1, \"H\": 128, \"impl\": \"auto\", "
+        "\"variant\": \"decode\", \"us\": %s, \"check\": \"ok\"}]}' \"$us\" > \"$OUT/bench.json\"\n"
+        "echo \"session bench-cases: status 0\"\n")
+    (tmp_path / "variant").mkdir()
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(repo / "benchmarks" / "ab_bench.sh"), str(repo), str(tmp_path / "variant")],
+                            capture_output=True, text=True, env={**os.environ, "OUT": str(out)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = (out / "ab_bench.md").read_text().splitlines()
+    assert table[2] == "| dsv3_2 T=1 H=128 decode | 10.0 | 9.0 | 10.0 | 0.900 | 1.000 |"
+    with tarfile.open(out / "runs.tgz") as packed:
+        names = set(packed.getnames())
+    assert {"0_main/bench.json", "1_variant/bench.json", "2_main/bench.json"} <= names
+    assert not (out / "0_main").exists()

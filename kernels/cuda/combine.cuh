@@ -122,9 +122,7 @@ __global__ void __launch_bounds__(kLanes * kGroups, fitting_blocks_per_sm(kBlock
   uint2* const out = reinterpret_cast<uint2*>(p.out + row * kDv + column);
 
   // A padding row depends on nothing the split kernel writes (valid_tokens is an input, and decode
-  // splits never write out/lse): it is written before waiting for the split kernel's results (with
-  // JSMLA_SPLIT_KERNEL_PDL, after: launch_params.h).
-  if constexpr (JSMLA_SPLIT_KERNEL_PDL) wait_for_prerequisite_grid();
+  // splits never write out/lse): it is written before waiting for the split kernel's results.
   if (token >= valid_token_count(p.valid_tokens, p.num_tokens)) {
     if (group == 0) *out = make_uint2(0, 0);
     if (blockIdx.y == 0 && threadIdx.x == 0) p.lse[row] = -INFINITY;
@@ -256,7 +254,6 @@ __global__ void __launch_bounds__(32 * kWarps) combine_rows_by_warp_kernel(const
   const int head = static_cast<int>(row % p.num_heads);
   uint2* const out = reinterpret_cast<uint2*>(p.out + row * kDv);
   // Padding rows first, before waiting for the split kernel (as combine_splits_kernel).
-  if constexpr (JSMLA_SPLIT_KERNEL_PDL) wait_for_prerequisite_grid();
   if (token >= valid_token_count(p.valid_tokens, p.num_tokens)) {
 #pragma unroll
     for (int j = 0; j < kRuns; ++j) out[lane + 32 * j] = make_uint2(0, 0);

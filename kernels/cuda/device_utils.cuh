@@ -36,12 +36,6 @@ JSMLA_DEVICE void cp_async_16(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(shared_address(shared)), "l"(global));
 }
 
-// cp_async_16 when `copy`, else 16 zero bytes: the source size is then 0 and nothing at `global` is read.
-JSMLA_DEVICE void cp_async_16_or_zero(void* shared, const void* global, bool copy) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)), "l"(global),
-               "r"(copy ? 16 : 0));
-}
-
 // 8 bytes global → shared through L1 (footer scale rows are 8 bytes; neighbours share the line).
 JSMLA_DEVICE void cp_async_8(void* shared, const void* global) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared_address(shared)), "l"(global));

@@ -7,16 +7,6 @@
 #include "kernels/common/params.h"
 #include "kernels/cuda/split_workspace.h"
 
-// A/B knob (default 0; the kernels and their launches are then unchanged): 1 launches every split
-// kernel on sm_90 and newer as the programmatic dependent of the op queued before it on the stream
-// (launch_split_kv_grid), so that its blocks are scheduled as that op's last blocks finish rather than
-// after the stream's full serialisation; each split kernel then waits for that op's results
-// (griddepcontrol.wait) before it reads any input, and the split merge writes its padding rows only
-// after its own wait (valid_tokens may be an output of that op, made visible by the split kernel's wait).
-#ifndef JSMLA_SPLIT_KERNEL_PDL
-#define JSMLA_SPLIT_KERNEL_PDL 0
-#endif
-
 namespace jsmla::cuda {
 
 // One attention launch. Candidate position j of token t runs over the main list (j < main.topk) then

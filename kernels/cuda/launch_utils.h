@@ -42,15 +42,7 @@ cudaError_t launch_split_kv_grid(Kernel* kernel, int threads, int shared_bytes, 
     if (error != cudaSuccess) return error;
   }
   const int64_t blocks = p.attn.num_tokens * p.num_head_tiles * p.num_splits;
-  bool dependent = false;  // JSMLA_SPLIT_KERNEL_PDL (launch_params.h), where the device has the launch (sm_90+)
-  if constexpr (JSMLA_SPLIT_KERNEL_PDL) {
-    int device = 0, major = 0;
-    cudaError_t error = cudaGetDevice(&device);
-    if (error == cudaSuccess) error = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    if (error != cudaSuccess) return error;
-    dependent = major >= 9;
-  }
-  if (cluster_blocks == 1 && !dependent) {
+  if (cluster_blocks == 1) {
     kernel<<<static_cast<unsigned>(blocks), threads, shared_bytes, stream>>>(p);
     return cudaGetLastError();
   }
@@ -59,22 +51,13 @@ cudaError_t launch_split_kv_grid(Kernel* kernel, int threads, int shared_bytes, 
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attributes[2] = {};
-  int count = 0;
-  if (cluster_blocks > 1) {
-    attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count].val.clusterDim.x = cluster_blocks;
-    attributes[count].val.clusterDim.y = 1;
-    attributes[count].val.clusterDim.z = 1;
-    ++count;
-  }
-  if (dependent) {
-    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[count].val.programmaticStreamSerializationAllowed = 1;
-    ++count;
-  }
-  config.attrs = attributes;
-  config.numAttrs = count;
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = cluster_blocks;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 

@@ -29,22 +29,6 @@
 #define JSMLA_LANE_SLICE_ROPE_SPLIT 1
 #endif
 
-// Compile-time knob for A/B timing: 1 zero-fills a masked row of a BF16 tile (kDirectTiles) with the
-// row copy itself (cp.async with source size 0, nothing read) instead of shared-memory stores beside
-// the copies; ptxas then no longer places three never-executed shared loads (`@!PT LDS`) before every
-// predicated copy of the producer's loop. 0 (the default) keeps the stores.
-#ifndef JSMLA_DIRECT_TILE_ZFILL
-#define JSMLA_DIRECT_TILE_ZFILL 0
-#endif
-
-// Compile-time knob for A/B timing: 1 stores the second consumer's P (the scorer's hand-over, on its
-// chain every tile) with stmatrix, four 8 × 8 blocks an instruction (kN / 16 a thread a tile and P
-// variant), instead of one 4-byte store per register (kN / 4), in the 32-candidate tiles (the BF16
-// formats' 64-candidate scorer then spills 16 bytes). 0 (the default) keeps the 4-byte stores.
-#ifndef JSMLA_HOPPER_P_STMATRIX
-#define JSMLA_HOPPER_P_STMATRIX 0
-#endif
-
 namespace jsmla::cuda::hopper {
 
 // Shared memory per block on sm_90 (opt-in maximum).

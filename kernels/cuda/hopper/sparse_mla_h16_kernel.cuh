@@ -47,7 +47,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   // The split merge queued after a decode launch may start its blocks now.
   allow_dependent_launch();
-  if constexpr (JSMLA_SPLIT_KERNEL_PDL) wait_for_prerequisite_grid();  // launch_params.h
   const AttentionParams& a = p.attn;
   const BlockCoordinates coordinates(p);
   const int64_t token = coordinates.token;

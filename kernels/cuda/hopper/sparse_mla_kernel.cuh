@@ -60,7 +60,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
   // results before reading them).
   allow_dependent_launch();
-  if constexpr (JSMLA_SPLIT_KERNEL_PDL) wait_for_prerequisite_grid();  // launch_params.h
   const AttentionParams& a = p.attn;
   // Lane slices (config.h): the blocks of a cluster share its (token, head tile, split), block `slice`
   // serving that lane slice of every row.
@@ -126,19 +125,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         for (int r = 0; r < kRounds; ++r) {
           const int row = r * Cfg::kRoundRows + load_row;
           const bool valid = pending_valid<Loader::kF.dual_cache>(a, rows[r]);
-          // JSMLA_DIRECT_TILE_ZFILL (config.h): a masked row's copies read nothing (source size 0) from the
-          // main cache's first row, an address of the cache whatever the index.
           const uint8_t* const source =
-              valid ? pending_cache<Loader::kF.dual_cache>(a, rows[r]).data_row(rows[r].index)
-                    : (JSMLA_DIRECT_TILE_ZFILL ? a.main.cache.data_row(0) : nullptr);
+              valid ? pending_cache<Loader::kF.dual_cache>(a, rows[r]).data_row(rows[r].index) : nullptr;
 #pragma unroll
           for (int u = 0; u < Loader::kUnitsPerThread; ++u) {
             const int unit = load_sub + u * Loader::kThreadsPerRow;
             if (unit >= Loader::kUnits) continue;
             uint8_t* const to = tile + swizzled_offset(row, 8 * unit, kN);
-            if constexpr (JSMLA_DIRECT_TILE_ZFILL) {
-              cp_async_16_or_zero(to, source + 16 * unit, valid);
-            } else if (valid) {
+            if (valid) {
               cp_async_16(to, source + 16 * unit);
             } else {
               *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
@@ -459,14 +453,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
               uint32_t theirs[4];
               pack_p(theirs, score, kk, kV + v, b);
               uint8_t* const p_rows = p_buffer(pb, v);
-              if constexpr (JSMLA_HOPPER_P_STMATRIX && !Cfg::kWideTiles) {
-                // theirs[2 half + r] is the 8 × 8 block of rows 16 warp + 8 r .. + 8, chunk 2 kk + half:
-                // matrix i = lane / 8 is half i / 2, r = i % 2; this lane addresses its row lane % 8.
-                const int matrix = lane / 8;
-                const int row = 16 * warp + 8 * (matrix % 2) + lane % 8;
-                stmatrix_x4(p_rows + row * Cfg::kPRowBytes + p_chunk(row, 2 * kk + matrix / 2) * 16, theirs);
-                continue;
-              }
 #pragma unroll
               for (int half = 0; half < 2; ++half) {
                 const int chunk = 2 * kk + half;

@@ -123,15 +123,6 @@ JSMLA_DEVICE void fence_registers(uint32_t (&r)[kCount]) {
 }
 
 // Makes this thread's generic-proxy shared-memory writes visible to wgmma (the async proxy).
-// Stores four 8 × 8 BF16 matrices, matrix i from register i of every lane (lane l: row l / 4, columns
-// 2 (l % 4) and 2 (l % 4) + 1, the accumulator layout); lane l gives the address of row l % 8 of matrix
-// l / 8 (16 bytes). sm_90.
-JSMLA_DEVICE void stmatrix_x4(void* shared, const uint32_t (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_address(shared)),
-               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-               : "memory");
-}
-
 JSMLA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Register reallocation between warpgroups (all warps of the warpgroup execute it).

@@ -43,7 +43,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
   // results before reading them).
   allow_dependent_launch();
-  if constexpr (JSMLA_SPLIT_KERNEL_PDL) wait_for_prerequisite_grid();  // launch_params.h
   const AttentionParams& a = p.attn;
   const BlockCoordinates coordinates(p);
   const int split = coordinates.split;
