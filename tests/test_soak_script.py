@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
 import soak  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
-from jax_sparse_mla import validate  # noqa: E402
+from jax_sparse_mla import planner, validate  # noqa: E402
 
 
 def test_soak_dry_run_checks_every_other_launch(tmp_path):
@@ -41,3 +41,16 @@ def test_soak_draws_dual_caches_of_every_allowed_pair():
     pairs = {(c["key"], c["extra_key"]) for c in configs if c["extra_topk"]}
     assert pairs == {(key, extra) for key in jsm.FORMATS for extra in validate.extra_formats(key)}
     assert all(jsm.get_format(c["key"]).dual_cache for c in configs if c["extra_topk"])
+
+
+def test_kernel_labels_tell_the_cluster_tile_and_staging_apart(monkeypatch):
+    """The summary's kernel names: the `dots3_swa` two-block cluster tile apart from the 64-head tile,
+    a staged plan by the copy it reads."""
+    cluster = jsm.plan((128, 128, 1088), jsm.get_format("dots3_swa"), 513, platform="cuda")
+    assert soak.kernel_label(cluster) == "hopper h64 cluster of 2"
+    plain = jsm.plan((128, 128, 576), jsm.get_format("dsv3_2"), 2048, platform="cuda")
+    assert soak.kernel_label(plain) == "hopper h64"
+    monkeypatch.setenv(planner.STAGING_ENV, "on")
+    staged = jsm.plan((4096, 128, 576), jsm.get_format("dsv3_2"), 2048, platform="cuda", num_slots=65536)
+    assert staged.staged_format == "bf16_576"
+    assert soak.kernel_label(staged) == "hopper h64 bf16_576"

@@ -36,7 +36,7 @@ import cases  # noqa: E402
 import oracle  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
-from jax_sparse_mla import planner, validate  # noqa: E402
+from jax_sparse_mla import kernel_tables, planner, validate  # noqa: E402
 
 TOKENS = (1, 2, 3, 5, 8, 16, 33, 64, 128)
 HEADS = (1, 7, 16, 20, 32, 64, 100, 128)
@@ -62,6 +62,16 @@ class Watchdog:
                 print(f"HANG: no launch finished for {self.seconds:.0f} s during {self.describe()}", flush=True)
                 os._exit(3)
 
+
+
+def kernel_label(plan) -> str:
+    """The kernel tile a plan runs on: family and head tile, a Hopper tile's cluster (the lane-sliced
+    tiles), and the BF16 copy it reads when staged (the tile is then that format's)."""
+    tile_format = plan.staged_format or plan.kv_format
+    clusters = (kernel_tables.HOPPER_KERNELS[(tile_format, plan.heads_per_block)].cluster_blocks
+                if plan.family == "hopper" else 1)
+    return (f"{plan.family} h{plan.heads_per_block}" + (f" cluster of {clusters}" if clusters > 1 else "")
+            + (f" {plan.staged_format}" if plan.staged_format else ""))
 
 def gpu_formats():
     """The formats whose plans compile for the CUDA backend (every format with CUDA kernels)."""
@@ -185,8 +195,7 @@ def main(argv=None):
                         extra_topk=config["extra_topk"], platform="cuda", impl=config["impl"],
                         num_slots=case.main.num_slots)
         variants[plan.variant] = variants.get(plan.variant, 0) + 1
-        # The kernel tile the plan runs on, and the BF16 copy it reads when staged.
-        kernel = f"{plan.family} h{plan.heads_per_block}" + (f" {plan.staged_format}" if plan.staged_format else "")
+        kernel = kernel_label(plan)
         kernels[kernel] = kernels.get(kernel, 0) + 1
         base_key = jax.random.PRNGKey(args.seed * 100003 + c)
         for i in range(per_config):
