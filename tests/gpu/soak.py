@@ -63,7 +63,6 @@ class Watchdog:
                 os._exit(3)
 
 
-
 def kernel_label(plan) -> str:
     """The kernel tile a plan runs on: family and head tile, a Hopper tile's cluster (the lane-sliced
     tiles), and the BF16 copy it reads when staged (the tile is then that format's)."""
@@ -72,6 +71,7 @@ def kernel_label(plan) -> str:
                 if plan.family == "hopper" else 1)
     return (f"{plan.family} h{plan.heads_per_block}" + (f" cluster of {clusters}" if clusters > 1 else "")
             + (f" {plan.staged_format}" if plan.staged_format else ""))
+
 
 def gpu_formats():
     """The formats whose plans compile for the CUDA backend (every format with CUDA kernels)."""
