@@ -36,7 +36,7 @@ import cases  # noqa: E402
 import oracle  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
-from jax_sparse_mla import kernel_tables, planner, validate  # noqa: E402
+from jax_sparse_mla import planner, validate  # noqa: E402
 
 TOKENS = (1, 2, 3, 5, 8, 16, 33, 64, 128)
 HEADS = (1, 7, 16, 20, 32, 64, 100, 128)
@@ -66,9 +66,8 @@ class Watchdog:
 def kernel_label(plan) -> str:
     """The kernel tile a plan runs on: family and head tile, a Hopper tile's cluster (the lane-sliced
     tiles), and the BF16 copy it reads when staged (the tile is then that format's)."""
-    tile_format = plan.staged_format or plan.kv_format
-    clusters = (kernel_tables.HOPPER_KERNELS[(tile_format, plan.heads_per_block)].cluster_blocks
-                if plan.family == "hopper" else 1)
+    clusters = (planner._cluster_blocks(plan.staged_format or plan.kv_format, plan.heads_per_block, plan.family)
+                if plan.family in ("hopper", "portable") else 1)
     return (f"{plan.family} h{plan.heads_per_block}" + (f" cluster of {clusters}" if clusters > 1 else "")
             + (f" {plan.staged_format}" if plan.staged_format else ""))
 
