@@ -80,6 +80,47 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       cp_async_commit();
       return valid;
     };
+    if constexpr (Cfg::kEarlyGather) {
+      // Tile 1 gathers into tile buffer 1 beside tile 0 (its scales into slot set 1); tile i + 1 is then
+      // issued from iteration i = 1 on, into the staging rows, as below.
+      uint8_t* const early_row = tile_buffer(1) + group * Cfg::kStageBytes + load_row * Cfg::kStagePitch;
+      const PendingRow first = read_row(0);
+      const PendingRow second = read_row(1);
+      bool valid = pending_valid<Loader::kF.dual_cache>(a, first);
+      if (valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, first), first.index, staged_row, scale_slot(0), load_sub);
+      cp_async_commit();
+      bool second_valid = pending_valid<Loader::kF.dual_cache>(a, second);
+      if (second_valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, second), second.index, early_row, scale_slot(1), load_sub);
+      cp_async_commit();
+      PendingRow pending = read_row(2);
+      for (int i = 0; i < tiles.count; ++i) {
+        const int b = i & (Cfg::kStages - 1);
+        uint4 units[Loader::kUnitsPerThread];
+        bool next_valid = second_valid;
+        if (i == 0) {
+          cp_async_wait_pending<1>();  // tile 0's copies have landed (tile 1's may be in flight)
+          Loader::load_staged(staged_row, load_sub, units);
+        } else {
+          cp_async_wait_all();
+          Loader::load_staged(i == 1 ? early_row : staged_row, load_sub, units);
+          // Every producer holds its tile 1 units before any converted row overwrites them.
+          if (i == 1) named_barrier_sync(Cfg::kProducerBarrier, Cfg::kProducerThreads);
+          next_valid = issue_row(pending, b ^ 1);
+          pending = read_row(i + 2);
+        }
+        if (i >= Cfg::kStages) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+        uint8_t* const tile = tile_buffer(b);
+        Loader::convert_loaded(valid, units, scale_slot(b), load_sub, [&](int dim, uint4 values) {
+          *reinterpret_cast<uint4*>(tile + swizzled_offset(tile_row, dim, kN)) = values;
+        });
+        if (load_sub == 0) score_bias[b * kN + tile_row] = valid ? 0.0f : -INFINITY;
+        fence_proxy_async_shared();
+        named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
+        valid = next_valid;
+      }
+      cp_async_wait_all();
+      return;
+    }
     bool valid = issue_row(read_row(0), 0);
     PendingRow pending = read_row(1);
     for (int i = 0; i < tiles.count; ++i) {
