@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Where a small-batch decode step's time goes, on a GPU machine: per-kernel device times (ncu) of one
 # jitted step for each T:H of $JSMLA_PROFILE_SHAPES (default T = 1 at H = 128 and 16, T = 16 and 32 at
-# H = 128), warp-stall sampling of the Hopper split kernel at T = 1
-# H = 128, the standalone headline timings (split merge launched as a programmatic dependent or not)
+# H = 128), warp-stall sampling of the Hopper split kernels at T = 1
+# H = 128 (the 64-head tile, and the planner's pick: the 16-head tile), the standalone headline timings (split merge launched as a programmatic dependent or not)
 # and, when FlashMLA's sources are in $JSMLA_FLASHMLA_SRC (default .anchors/flashmla), its kernels
 # for the same shapes. Output: $OUT (default /tmp/jsmla_profile): the printed summary (also in summary.md)
 # and the logs, reports and CSVs in logs.tgz (a device call returns few files).
@@ -31,13 +31,19 @@ for shape in $shapes; do
   echo "== jitted step, T=$tokens H=$heads"
   python3 "$repo/benchmarks/step_profile.py" --summarize "$out/step_t${tokens}_h$heads.csv" --steps 4 | tail -8
 done
-ncu --clock-control none --cache-control none -k regex:sparse_mla_hopper --launch-skip 1 --launch-count 1 \
-  --section SourceCounters --section WarpStateStats --section SpeedOfLight -o "$out/small" -f \
-  /tmp/jsmla_profile_build/portable_check --profile-small > "$out/ncu_small.log" 2>&1
-ncu -i "$out/small.ncu-rep" --page details > "$out/small_details.txt" 2>&1
-grep -E "Duration|Warp Cycles Per Issued|Issued Warp|Memory Throughput|Compute \(SM\)" "$out/small_details.txt" | head -8
-ncu -i "$out/small.ncu-rep" --page source --csv --print-source sass > "$out/small_src.csv" 2>/dev/null
-python3 "$repo/kernels/cuda/tests/top_stalls.py" "$out/small_src.csv" 25
+# Stall sampling of the split kernel at T = 1 H = 128: the 64-head tile (32 splits), then the planner's
+# pick (16 splits of the 16-head tile).
+for tile in h64 h16; do
+  name=small; [ $tile = h16 ] && name=small_h16
+  echo "== split kernel, T=1 H=128, $tile tile (ncu, standalone)"
+  ncu --clock-control none --cache-control none -k regex:sparse_mla_hopper --launch-skip 1 --launch-count 1 \
+    --section SourceCounters --section WarpStateStats --section SpeedOfLight -o "$out/$name" -f \
+    /tmp/jsmla_profile_build/portable_check --profile-small $([ $tile = h16 ] && echo h16) > "$out/ncu_$name.log" 2>&1
+  ncu -i "$out/$name.ncu-rep" --page details > "$out/${name}_details.txt" 2>&1
+  grep -E "Duration|Warp Cycles Per Issued|Issued Warp|Memory Throughput|Compute \(SM\)" "$out/${name}_details.txt" | head -8
+  ncu -i "$out/$name.ncu-rep" --page source --csv --print-source sass > "$out/${name}_src.csv" 2>/dev/null
+  python3 "$repo/kernels/cuda/tests/top_stalls.py" "$out/${name}_src.csv" 25
+done
 if flashmla_ready; then
   for shape in $shapes; do
     tokens=${shape%:*} heads=${shape#*:}
