@@ -947,7 +947,7 @@ int main(int argc, char** argv) {
       release(d1);
       Problem pr1h16{"dsv3_2 T=1 H=16 k=2048", FormatId::kDsv32, 1, 16, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
       DeviceProblem d1h16 = make_problem(pr1h16, &cache, nullptr, 19);
-      for (int splits : {32, 64}) {
+      for (int splits : {16, 32, 64}) {
         run_case(d1h16, decode_plan(16, 2048, splits), {0}, 15);
         run_case(d1h16, serial_combine(decode_plan(16, 2048, splits)), {0}, 15);
       }
