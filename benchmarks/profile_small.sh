@@ -3,9 +3,10 @@
 # jitted step for each T:H of $JSMLA_PROFILE_SHAPES (default T = 1 at H = 128 and 16, T = 16 and 32 at
 # H = 128), warp-stall sampling of the Hopper split kernels at T = 1 H = 128 (the 64-head tile, and the
 # planner's pick: the 16-head tile), the standalone headline timings (split merge launched as a
-# programmatic dependent or not) and, when FlashMLA's sources are in $JSMLA_FLASHMLA_SRC (default .anchors/flashmla), its kernels
-# for the same shapes. Output: $OUT (default /tmp/jsmla_profile): the printed summary (also in summary.md)
-# and the logs, reports and CSVs in logs.tgz (a device call returns few files).
+# programmatic dependent or not) and, when FlashMLA's sources are in $JSMLA_FLASHMLA_SRC (default
+# .anchors/flashmla), its kernels for the same shapes. Output: $OUT (default /tmp/jsmla_profile): the
+# printed summary (also in summary.md) and the logs, reports and CSVs in logs.tgz (a device call returns
+# few files).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_profile}
