@@ -73,12 +73,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto read_row = [&](int tile_index) {
       return read_pending_row<Loader::kF.dual_cache>(a, tiles, token, tile_index, tile_row);
     };
-    // Starts the copies of a row into the staging row and scale slot set b; one commit group.
-    auto issue_row = [&](const PendingRow& row, int b) {
+    // Starts the copies of a row into `staged` (the staging row unless given) and scale slot set b; one
+    // commit group.
+    auto issue_row = [&](const PendingRow& row, int b, uint8_t* staged = nullptr) {
       const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
-      if (valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row, scale_slot(b), load_sub);
+      if (valid) {
+        Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged != nullptr ? staged : staged_row,
+                      scale_slot(b), load_sub);
+      }
       cp_async_commit();
       return valid;
+    };
+    // Tile i's hand-over, its units in registers: wait for the consumer to free tile buffer b (from
+    // tile 2 on), convert into it, then arrive at full[b].
+    auto hand_over = [&](int i, bool valid, const uint4 (&units)[Loader::kUnitsPerThread]) {
+      const int b = i & (Cfg::kStages - 1);
+      if (i >= Cfg::kStages) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+      uint8_t* const tile = tile_buffer(b);
+      Loader::convert_loaded(valid, units, scale_slot(b), load_sub, [&](int dim, uint4 values) {
+        *reinterpret_cast<uint4*>(tile + swizzled_offset(tile_row, dim, kN)) = values;
+      });
+      if (load_sub == 0) score_bias[b * kN + tile_row] = valid ? 0.0f : -INFINITY;
+      fence_proxy_async_shared();
+      named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
     };
     if constexpr (Cfg::kEarlyGather) {
       // Tile 1 gathers into tile buffer 1 beside tile 0 (its scales into slot set 1); tile i + 1 is then
@@ -86,12 +103,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       uint8_t* const early_row = tile_buffer(1) + group * Cfg::kStageBytes + load_row * Cfg::kStagePitch;
       const PendingRow first = read_row(0);
       const PendingRow second = read_row(1);
-      bool valid = pending_valid<Loader::kF.dual_cache>(a, first);
-      if (valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, first), first.index, staged_row, scale_slot(0), load_sub);
-      cp_async_commit();
-      bool second_valid = pending_valid<Loader::kF.dual_cache>(a, second);
-      if (second_valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, second), second.index, early_row, scale_slot(1), load_sub);
-      cp_async_commit();
+      bool valid = issue_row(first, 0);
+      const bool second_valid = issue_row(second, 1, early_row);
       PendingRow pending = read_row(2);
       for (int i = 0; i < tiles.count; ++i) {
         const int b = i & (Cfg::kStages - 1);
@@ -108,14 +121,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           next_valid = issue_row(pending, b ^ 1);
           pending = read_row(i + 2);
         }
-        if (i >= Cfg::kStages) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
-        uint8_t* const tile = tile_buffer(b);
-        Loader::convert_loaded(valid, units, scale_slot(b), load_sub, [&](int dim, uint4 values) {
-          *reinterpret_cast<uint4*>(tile + swizzled_offset(tile_row, dim, kN)) = values;
-        });
-        if (load_sub == 0) score_bias[b * kN + tile_row] = valid ? 0.0f : -INFINITY;
-        fence_proxy_async_shared();
-        named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
+        hand_over(i, valid, units);
         valid = next_valid;
       }
       cp_async_wait_all();
@@ -133,14 +139,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // in slot set b for the conversion.
       const bool next_valid = issue_row(pending, b ^ 1);
       pending = read_row(i + 2);
-      if (i >= Cfg::kStages) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
-      uint8_t* const tile = tile_buffer(b);
-      Loader::convert_loaded(valid, units, scale_slot(b), load_sub, [&](int dim, uint4 values) {
-        *reinterpret_cast<uint4*>(tile + swizzled_offset(tile_row, dim, kN)) = values;
-      });
-      if (load_sub == 0) score_bias[b * kN + tile_row] = valid ? 0.0f : -INFINITY;
-      fence_proxy_async_shared();
-      named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
+      hand_over(i, valid, units);
       valid = next_valid;
     }
     cp_async_wait_all();
