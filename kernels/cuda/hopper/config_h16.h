@@ -22,14 +22,6 @@
 #include "kernels/common/formats.h"
 #include "kernels/cuda/loader_geometry.h"
 
-// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 issues the gather of a split's second
-// tile together with its first, into tile buffer 1 (free until that tile is converted there), so a
-// split of two tiles (T = 1 H = 128: 16 splits of 128 candidates) waits for one gather round trip
-// instead of two; 0 (the default) gathers tile i + 1 only once tile i has landed.
-#ifndef JSMLA_H16_EARLY_GATHER
-#define JSMLA_H16_EARLY_GATHER 0
-#endif
-
 namespace jsmla::cuda::hopper {
 
 // Formats the 16-head tile serves: 512/576-wide FP8 or FP4 rows with power-of-two, E4M3 or UE8M0
@@ -67,8 +59,6 @@ struct HopperH16Config {
   // One producer warpgroup's geometry: a 32-row round with 4 threads a row.
   using Geometry = LoaderGeometry<kFormat, kRoundRows, 128>;
   static constexpr int kStages = 2;  // tile buffers, score-bias rows, P buffers and scale-slot sets
-  // Tile 1's staged rows in tile buffer 1 (JSMLA_H16_EARLY_GATHER), at the staging area's pitch.
-  static constexpr bool kEarlyGather = JSMLA_H16_EARLY_GATHER != 0;
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][16 heads][128 B], swizzled (the K-major B of Sᵀ);
@@ -112,7 +102,6 @@ struct HopperH16Config {
   static constexpr int kFullBarrier = 1;             // + tile buffer: producers arrive, the consumer waits
   static constexpr int kEmptyBarrier = 1 + kStages;  // + tile buffer: the consumer arrives, producers wait
   static constexpr int kConsumerBarrier = 1 + 2 * kStages;  // the consumer's four warps
-  static constexpr int kProducerBarrier = kConsumerBarrier + 1;  // both producer warpgroups (early gather)
 
   static_assert(hopper_h16_format(kFormat), "format not served by the Hopper 16-head tile");
   static_assert(kDqk % 64 == 0 && kDv % 64 == 0, "rows must be whole 64-column swizzle blocks");
@@ -129,9 +118,7 @@ struct HopperH16Config {
   static_assert(kHeadTile * kOutPitch * 4 <= kTileBytes && (kOutPitch * 4) % 16 == 0,
                 "the output rows fit the first tile buffer, each 16-byte aligned");
   static_assert(kSharedBytes <= 227 * 1024, "shared memory exceeds the sm_90 per-block limit");
-  static_assert(kEmptyBarrier + kStages <= kConsumerBarrier && kProducerBarrier < 16, "sm_90 has 16 named barriers");
-  static_assert(kProducerGroups * kStageBytes <= kTileBytes && kTileBytes % 16 == 0,
-                "tile 1's staged rows (early gather) fit tile buffer 1, 16-byte aligned");
+  static_assert(kEmptyBarrier + kStages <= kConsumerBarrier && kConsumerBarrier < 16, "sm_90 has 16 named barriers");
   // 384 threads, one block an SM: 168 registers each, enough for both roles without reallocation.
   static_assert(65536 / kThreads / 8 * 8 >= 160, "both roles run within the launch's registers");
 };

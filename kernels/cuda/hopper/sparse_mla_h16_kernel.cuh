@@ -22,6 +22,7 @@
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/load_tile.cuh"
 #include "kernels/cuda/online_softmax.cuh"
+#include "kernels/cuda/phase_clock.cuh"
 #include "kernels/cuda/softmax_merge.cuh"
 
 namespace jsmla::cuda::hopper {
@@ -59,6 +60,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
+  // JSMLA_PHASE_CLOCKS (phase_clock.cuh): the marks of producer thread 0 (role 0) and consumer thread 0
+  // (role 1).
+  PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads);
 
   if (threadIdx.x < Cfg::kProducerThreads) {
     // ------------------------------------------------------------------ producer warpgroups
@@ -73,14 +77,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto read_row = [&](int tile_index) {
       return read_pending_row<Loader::kF.dual_cache>(a, tiles, token, tile_index, tile_row);
     };
-    // Starts the copies of a row into `staged` (the staging row unless given) and scale slot set b; one
-    // commit group.
-    auto issue_row = [&](const PendingRow& row, int b, uint8_t* staged = nullptr) {
+    // Starts the copies of a row into the staging row and scale slot set b; one commit group.
+    auto issue_row = [&](const PendingRow& row, int b) {
       const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
-      if (valid) {
-        Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged != nullptr ? staged : staged_row,
-                      scale_slot(b), load_sub);
-      }
+      if (valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row, scale_slot(b), load_sub);
       cp_async_commit();
       return valid;
     };
@@ -97,41 +97,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       fence_proxy_async_shared();
       named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
     };
-    if constexpr (Cfg::kEarlyGather) {
-      // Tile 1 gathers into tile buffer 1 beside tile 0 (its scales into slot set 1); tile i + 1 is then
-      // issued from iteration i = 1 on, into the staging rows, as below.
-      uint8_t* const early_row = tile_buffer(1) + group * Cfg::kStageBytes + load_row * Cfg::kStagePitch;
-      const PendingRow first = read_row(0);
-      const PendingRow second = read_row(1);
-      bool valid = issue_row(first, 0);
-      const bool second_valid = issue_row(second, 1, early_row);
-      PendingRow pending = read_row(2);
-      for (int i = 0; i < tiles.count; ++i) {
-        const int b = i & (Cfg::kStages - 1);
-        uint4 units[Loader::kUnitsPerThread];
-        bool next_valid = second_valid;
-        if (i == 0) {
-          cp_async_wait_pending<1>();  // tile 0's copies have landed (tile 1's may be in flight)
-          Loader::load_staged(staged_row, load_sub, units);
-        } else {
-          cp_async_wait_all();
-          Loader::load_staged(i == 1 ? early_row : staged_row, load_sub, units);
-          // Every producer holds its tile 1 units before any converted row overwrites them.
-          if (i == 1) named_barrier_sync(Cfg::kProducerBarrier, Cfg::kProducerThreads);
-          next_valid = issue_row(pending, b ^ 1);
-          pending = read_row(i + 2);
-        }
-        hand_over(i, valid, units);
-        valid = next_valid;
-      }
-      cp_async_wait_all();
-      return;
-    }
     bool valid = issue_row(read_row(0), 0);
+    clock.mark(0);  // tile 0's indices read, its copies issued
     PendingRow pending = read_row(1);
     for (int i = 0; i < tiles.count; ++i) {
       const int b = i & (Cfg::kStages - 1);
       cp_async_wait_all();  // this thread's copies of tile i have landed (only this thread reads them)
+      clock.mark(1 + 2 * i);
       uint4 units[Loader::kUnitsPerThread];
       Loader::load_staged(staged_row, load_sub, units);
       // The staging row is refilled with tile i + 1 behind these loads (the copies' writes land a
@@ -140,9 +112,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const bool next_valid = issue_row(pending, b ^ 1);
       pending = read_row(i + 2);
       hand_over(i, valid, units);
+      clock.mark(2 + 2 * i);  // tile i converted
       valid = next_valid;
     }
     cp_async_wait_all();
+    clock.store(p, 0);
     return;
   }
 
@@ -158,6 +132,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fence_proxy_async_shared();
     named_barrier_sync(Cfg::kConsumerBarrier, Cfg::kConsumerThreads);
   }
+  clock.mark(0);  // Q in shared memory
 
   // The accumulators of m64n16 (the m16n8 layout of epilogue.cuh per warp): acc[4j + e + 2r] is row
   // 16 warp + lane/4 + 8r, column 8j + 2 quad + e. Columns are heads: this thread's four heads are
@@ -182,6 +157,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int b = i & (Cfg::kStages - 1);
       const uint8_t* const tile = tile_buffer(b);
       named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kThreads);
+      clock.mark(i < 4 ? 1 + 3 * i : -1);  // tile i in its buffer (the first four tiles)
       // Sᵀ = K·Qᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of the tile and of Q.
       float score[8];
       const SmemDescriptor k_descriptor = smem_descriptor(tile, 16, 1024);
@@ -200,6 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       wgmma_wait_all();
       fence_registers(score);
       fence_registers(out_acc);
+      clock.mark(i < 4 ? 2 + 3 * i : -1);  // Sᵀ of tile i
 
       // Online softmax per head column in the log2 domain (RunningSoftmax's rules: the max moves only
       // past kMaxLag; masked candidates get -inf through score_bias; a head that has seen only masked
@@ -258,6 +235,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       fence_proxy_async_shared();
       named_barrier_sync(Cfg::kConsumerBarrier, Cfg::kConsumerThreads);
+      clock.mark(i < 4 ? 3 + 3 * i : -1);  // Pᵀ of tile i written
       // Oᵀ += Vᵀ·Pᵀ: k16 step kk reads candidates [16 kk, 16 kk + 16) of the tile (MN-major: the d_v
       // lanes of block mb contiguous) and of P.
       const SmemDescriptor v_descriptor = smem_descriptor(tile, Cfg::kTileBlockBytes, 1024);
@@ -276,6 +254,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     wgmma_wait_all();
     fence_registers(out_acc);
   }
+  clock.mark(13);  // the last Oᵀ
 
   // ---- epilogue: the heads' sums over the block, then the rows through shared memory ----
 #pragma unroll
@@ -306,6 +285,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     out_rows[column(k) * Cfg::kOutPitch + d] = out_acc[i] * finish[k].factor;
   }
   named_barrier_sync(Cfg::kConsumerBarrier, Cfg::kConsumerThreads);
+  clock.mark(14);  // the output rows in shared memory
   const int heads = min(kH, num_heads - head_begin);
   // BF16 rows in 16-byte runs (8 values a store), into out or into this split's partial rows.
   constexpr int kChunks = Cfg::kDv / 8;
@@ -334,6 +314,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     }
   }
+  clock.mark(15);  // every store issued
+  clock.store(p, 1);
 #else
   __trap();  // no sm_90a code in this build: the host never launches it (hopper::compiled())
 #endif  // JSMLA_HOPPER_DEVICE
