@@ -7,6 +7,13 @@
 #include "kernels/common/params.h"
 #include "kernels/cuda/split_workspace.h"
 
+// Compile-time diagnostic (benchmarks/ab_tree.sh NAME=1; default 0): kernels that mark their phases
+// (phase_clock.cuh) store each block's clock marks into SplitKvParams::phase_clocks when it is set (the
+// standalone check's --profile-small; the FFI handlers leave it null).
+#ifndef JSMLA_PHASE_CLOCKS
+#define JSMLA_PHASE_CLOCKS 0
+#endif
+
 namespace jsmla::cuda {
 
 // One attention launch. Candidate position j of token t runs over the main list (j < main.topk) then
@@ -19,6 +26,10 @@ struct SplitKvParams {
   // Decode: where each split's partial state goes. Null: the single split writes out/lse itself
   // (the prefill variant), folding in the sink.
   SplitWorkspace workspace;
+#if JSMLA_PHASE_CLOCKS
+  // [block][role][PhaseClock::kRecord] (phase_clock.cuh), or null: no marks stored.
+  long long* phase_clocks = nullptr;
+#endif
 };
 
 // Merging the splits of a decode call into out/lse.

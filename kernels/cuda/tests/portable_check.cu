@@ -41,6 +41,7 @@
 #include "kernels/cpu/sparse_mla_cpu.h"
 #include "kernels/cuda/combine.h"
 #include "kernels/cuda/load_tile.cuh"
+#include "kernels/cuda/phase_clock.cuh"
 #include "kernels/cuda/registry.h"
 
 namespace {
@@ -311,6 +312,11 @@ struct Plan {
 bool g_hopper_device = false;  // sm_90 GPU and a build with the Hopper family's sm_90a code
 bool g_dependent_combine = false;  // sm_90 or newer: the combine is the split kernel's programmatic dependent
 int g_sm_count = 0;
+#if JSMLA_PHASE_CLOCKS
+// The last launch's phase records (phase_clock.cuh): [block][role][PhaseClock::kRecord], -1 where unwritten.
+std::vector<long long> g_phase_clocks;
+long long* g_phase_clocks_device = nullptr;
+#endif
 
 Plan on_hopper(Plan plan) {
   plan.hopper = true;
@@ -347,7 +353,23 @@ void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
     }
     p.workspace = cuda::SplitWorkspace::carve(d.d_workspace, plan.num_splits, d.pr.num_tokens, d.pr.num_heads, d.f->d_v);
   }
+#if JSMLA_PHASE_CLOCKS
+  const size_t records = static_cast<size_t>(d.pr.num_tokens * p.num_head_tiles * p.num_splits) *
+                         cuda::PhaseClock::kRoles * cuda::PhaseClock::kRecord;
+  if (g_phase_clocks.size() != records) {
+    if (g_phase_clocks_device) CHECK_CUDA(cudaFree(g_phase_clocks_device));
+    CHECK_CUDA(cudaMalloc(&g_phase_clocks_device, records * sizeof(long long)));
+    g_phase_clocks.assign(records, -1);
+  }
+  CHECK_CUDA(cudaMemsetAsync(g_phase_clocks_device, 0xff, records * sizeof(long long), stream));
+  p.phase_clocks = g_phase_clocks_device;
+#endif
   CHECK_CUDA(kernel->launch(p, stream));
+#if JSMLA_PHASE_CLOCKS
+  CHECK_CUDA(cudaMemcpyAsync(g_phase_clocks.data(), g_phase_clocks_device, records * sizeof(long long),
+                             cudaMemcpyDeviceToHost, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+#endif
   if (decode) {
     cuda::CombineParams c;
     c.workspace = p.workspace;
@@ -801,6 +823,23 @@ int main(int argc, char** argv) {
     const bool h16 = argc > 2 && std::string(argv[2]) == "h16";
     const Plan plan = h16 ? decode_plan(16, 2048, 16) : decode_plan(64, 2048, 32);
     run_case(d1, g_hopper_device ? on_hopper(plan) : plan, {0}, 0);
+#if JSMLA_PHASE_CLOCKS
+    // The last launch's records, in the lines benchmarks/phase_clocks.py reads.
+    constexpr int kRecord = cuda::PhaseClock::kRecord;
+    const int blocks = static_cast<int>(g_phase_clocks.size() / (cuda::PhaseClock::kRoles * kRecord));
+    const int head_tiles = (pr1.num_heads + plan.heads_per_block - 1) / plan.heads_per_block;
+    for (int block = 0; block < blocks; ++block) {
+      for (int role = 0; role < cuda::PhaseClock::kRoles; ++role) {
+        const long long* r = &g_phase_clocks[(static_cast<size_t>(block) * cuda::PhaseClock::kRoles + role) * kRecord];
+        if (r[0] < 0) continue;  // the kernel marks no phases
+        std::printf("PHASE h16 %s block=%d split=%d head_tile=%d token=%d start_ns=%lld end_ns=%lld c=",
+                    role == 0 ? "producer" : "consumer", block, block % plan.num_splits,
+                    (block / plan.num_splits) % head_tiles, block / plan.num_splits / head_tiles, r[0], r[1]);
+        for (int i = 0; i < cuda::PhaseClock::kMarks; ++i) std::printf(i ? ",%lld" : "%lld", r[2 + i]);
+        std::printf("\n");
+      }
+    }
+#endif
     release(d1);
     return g_failed ? 1 : 0;
   }

@@ -1,0 +1,63 @@
+// A compile-time diagnostic of where a block's time goes. With JSMLA_PHASE_CLOCKS = 1 (launch_params.h;
+// benchmarks/ab_tree.sh NAME=value) one thread of each role of a kernel that marks its phases records
+// the SM clock at each mark, and at its end stores a record per block and role into
+// SplitKvParams::phase_clocks (when the launch set it): the global timer (ns) at the block's start and
+// end, then the clock cycles from the block's start to each mark (-1: not reached). The standalone
+// check's --profile-small prints the records; benchmarks/phase_clocks.py turns them into a table.
+// With the knob at 0 (the default) every call below compiles to nothing.
+//
+// The marks' stores change the kernel they measure slightly (one thread a role, one register or
+// local store a mark, one record stored at the end); the numbers are for finding the long phases.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/device_utils.cuh"
+#include "kernels/cuda/launch_params.h"
+
+namespace jsmla::cuda {
+
+struct PhaseClock {
+  static constexpr int kMarks = 16;            // marks a role records; later ones are dropped
+  static constexpr int kRecord = 2 + kMarks;   // start_ns, end_ns, the marks
+  static constexpr int kRoles = 2;             // records a block stores (role 0, role 1)
+#if JSMLA_PHASE_CLOCKS
+  bool active;
+  long long start;
+  long long start_ns;
+  long long at[kMarks];
+  JSMLA_DEVICE static long long now_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return static_cast<long long>(t);
+  }
+  JSMLA_DEVICE static long long now_cycles() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+    return static_cast<long long>(t);
+  }
+  // `active`: this thread records (one thread of each role).
+  JSMLA_DEVICE explicit PhaseClock(bool active_thread) : active(active_thread), start(now_cycles()), start_ns(now_ns()) {
+#pragma unroll
+    for (int i = 0; i < kMarks; ++i) at[i] = -1;
+  }
+  JSMLA_DEVICE void mark(int id) {
+    if (active && id >= 0 && id < kMarks) at[id] = now_cycles() - start;
+  }
+  // Role `role` (< kRoles) of block blockIdx.x stores its record.
+  JSMLA_DEVICE void store(const SplitKvParams& p, int role) const {
+    if (!active || p.phase_clocks == nullptr) return;
+    long long* const record = p.phase_clocks + (static_cast<int64_t>(blockIdx.x) * kRoles + role) * kRecord;
+    record[0] = start_ns;
+    record[1] = now_ns();
+#pragma unroll
+    for (int i = 0; i < kMarks; ++i) record[2 + i] = at[i];
+  }
+#else
+  JSMLA_DEVICE explicit PhaseClock(bool) {}
+  JSMLA_DEVICE void mark(int) {}
+  JSMLA_DEVICE void store(const SplitKvParams&, int) const {}
+#endif
+};
+
+}  // namespace jsmla::cuda
