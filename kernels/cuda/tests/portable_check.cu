@@ -10,7 +10,7 @@
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
 // Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --scales | --profile |
-//      --profile-small [h16] | --profile-bf16]   (exit code 0 only when every check passes)
+//      --profile-small [h16 [heads]] | --profile-bf16]   (exit code 0 only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --ablate: only the
 //   dsv3_2 H=128 rows of --headline (decode and prefill variant at T=128, prefill T=4096), for builds
@@ -813,14 +813,17 @@ int main(int argc, char** argv) {
   // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
   // the Hopper family when available, else the portable one). --headline: the headline shapes on the
   // Hopper family, each checked and timed (a quick performance comparison between builds).
-  // --profile-small [h16]: the T=1 H=128 decode once, for ncu: 32 splits of the 64-head tile, or (h16) the
-  // planner's pick, 16 splits of the 16-head tile.
+  // --profile-small [h16 [heads]]: the T=1 H=128 decode once, for ncu: 32 splits of the 64-head tile, or
+  // (h16) the planner's pick, 16 splits of the 16-head tile (at H = heads, default 128). Built with
+  // JSMLA_PHASE_CLOCKS=1, it prints the 16-head tile's phase records (benchmarks/phase_clocks.py).
   if (mode == "--profile-small") {
     const Fp8Table fp8;
     HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
-    Problem pr1{"dsv3_2 T=1 H=128 k=2048", FormatId::kDsv32, 1, 128, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
-    DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     const bool h16 = argc > 2 && std::string(argv[2]) == "h16";
+    const int heads = argc > 3 ? std::atoi(argv[3]) : 128;  // h16 only: 16 or 128
+    Problem pr1{"dsv3_2 T=1 H=" + std::to_string(heads) + " k=2048", FormatId::kDsv32, 1, heads, 2048, 0, 0.0417f,
+                false, false, -1, 0.0, 8};
+    DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     const Plan plan = h16 ? decode_plan(16, 2048, 16) : decode_plan(64, 2048, 32);
     run_case(d1, g_hopper_device ? on_hopper(plan) : plan, {0}, 0);
 #if JSMLA_PHASE_CLOCKS
