@@ -26,6 +26,15 @@ MARK_NAMES = {
     ("h16", "consumer"): ["Q loaded"]
     + [f"tile {i // 3} {('full', 'S done', 'P written')[i % 3]}" for i in range(12)]
     + ["last O done", "out rows in smem", "stores issued"],
+    ("h64", "producer"): ["tiles 0-1 issued"]
+    + [f"tile {i // 2} {'landed' if i % 2 == 0 else 'converted'}" for i in range(14)]
+    + ["(unused)"],
+    ("h64", "scorer"): ["Q loaded"]
+    + [f"tile {i // 3} {('full', 'S done', 'P handed over')[i % 3]}" for i in range(12)]
+    + ["last P·V done", "final max and sum", "stores issued"],
+    ("h64", "pv"): ["Q loaded"]
+    + [f"tile {i // 2} {'P ready' if i % 2 == 0 else 'P·V done'}" for i in range(12)]
+    + ["last P·V done", "final max and sum", "stores issued"],
 }
 
 

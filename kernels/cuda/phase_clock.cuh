@@ -20,7 +20,7 @@ namespace jsmla::cuda {
 struct PhaseClock {
   static constexpr int kMarks = 16;            // marks a role records; later ones are dropped
   static constexpr int kRecord = 2 + kMarks;   // start_ns, end_ns, the marks
-  static constexpr int kRoles = 2;             // records a block stores (role 0, role 1)
+  static constexpr int kRoles = 3;             // records a block stores (roles 0, 1, 2)
 #if JSMLA_PHASE_CLOCKS
   bool active;
   long long start;

@@ -38,6 +38,7 @@
 #include "kernels/cuda/launch_utils.h"
 #include "kernels/cuda/load_tile.cuh"
 #include "kernels/cuda/online_softmax.cuh"
+#include "kernels/cuda/phase_clock.cuh"
 #include "kernels/cuda/softmax_merge.cuh"
 
 namespace jsmla::cuda::hopper {
@@ -76,6 +77,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   }
 
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
+  // JSMLA_PHASE_CLOCKS (phase_clock.cuh): the marks of thread 0 of the producer (role 0), the scorer
+  // (role 1) and warpgroup 2 (role 2); staged rows only.
+  PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads ||
+                   threadIdx.x == Cfg::kProducerThreads + Cfg::kScorerThreads);
   // Lane slices: the score-exchange buffers [tile parity] (the other block stores its partial scores
   // into this block's, counted on this block's transaction barrier of that parity), initialised before
   // either block of the cluster goes on.
@@ -185,10 +190,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
       uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
       staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
+      clock.mark(0);  // tiles 0 and 1: indices read, copies issued
       PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
       for (int i = 0; i < tiles.count; ++i) {
         const int b = i & 1;
         cp_async_wait_pending<1>();
+        clock.mark(1 + 2 * i);  // tile i landed
         if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
         uint8_t* const tile = tile_buffer(b);
         const bool valid = (staged_valid >> b) & 1u;
@@ -201,11 +208,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         }
         fence_proxy_async_shared();
         named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
+        clock.mark(2 + 2 * i);  // tile i converted
         staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
         pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
       }
     }
     cp_async_wait_pending<0>();
+    clock.store(p, 0);
     return;
   }
 
@@ -224,6 +233,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     fence_proxy_async_shared();
     named_barrier_sync(Cfg::kQBarrier, kConsumerThreads);
   }
+  clock.mark(0);  // Q in shared memory
 
   // The rest runs with the consumer's half of d_v as a compile-time constant: every shared-memory
   // descriptor is then a warp-uniform base plus constants, computed in uniform registers.
@@ -304,6 +314,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
         if constexpr (group == 0) {
           named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
+          clock.mark(i < 4 ? 1 + 3 * i : -1);  // tile i in its buffer (the first four tiles)
           // S = Q·Kᵀ, kDqk / 16 k-steps.
           float score[kN / 8][4];  // the m64nkN accumulators: score[j][r] as in online_softmax.cuh
           float (&score_registers)[kN / 2] = reinterpret_cast<float (&)[kN / 2]>(score);
@@ -428,6 +439,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             }
           }
 
+          clock.mark(i < 4 ? 2 + 3 * i : -1);  // S of tile i
           // Online softmax in the log2 domain; masked candidates get -inf through score_bias.
           float rescale[2];
           softmax.update(score, score_bias + b * kN, a.sm_scale * kLog2e, lane, rescale);
@@ -473,6 +485,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             // beside this S), and the handoff of row_rescale is then a plain two-sided barrier.
             named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
           }
+          clock.mark(i < 4 ? 3 + 3 * i : -1);  // P of tile i handed to warpgroup 2
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < kN / 16; ++kk) {
@@ -487,6 +500,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           }  // otherwise left in flight: waited for in the next tile, after its S is issued
         } else {
           named_barrier_sync(Cfg::kPReadyBarrier + pb, 2 * Cfg::kScorerThreads);
+          clock.mark(i < 6 ? 1 + 2 * i : -1);  // P of tile i ready (the first six tiles)
           float rescale[2] = {row_rescale[pb * Cfg::kHeadTile + rows[0]], row_rescale[pb * Cfg::kHeadTile + rows[1]]};
           if (RunningSoftmax::needs_rescale(rescale)) rescale_rows(out_acc, rescale);
           wgmma_fence();
@@ -502,6 +516,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           wgmma_commit();
           wgmma_wait_all();
           fence_registers(out_acc);
+          clock.mark(i < 6 ? 2 + 2 * i : -1);  // P·V of tile i done
           release(i);
           if constexpr (Cfg::kPBuffers == 1) {
             if (i + 1 < tiles.count) named_barrier_arrive(Cfg::kPFreeBarrier, 2 * Cfg::kScorerThreads);
@@ -514,6 +529,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         fence_registers(p_registers);
       }
     }
+    clock.mark(13);  // the last P·V
 
     // ---- epilogue: rows of this thread, columns of this consumer's half ----
     if constexpr (group == 0) {
@@ -534,9 +550,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         softmax.row_sum[r] = final_state[Cfg::kHeadTile + rows[r]];
       }
     }
+    clock.mark(14);  // the rows' final max and sum known
     store_rows<Cfg::kRowDv>(p, token, coordinates.split, {head_begin + rows[0], head_begin + rows[1]},
                             slice * Cfg::kDv + group * Cfg::kDvPerGroup + 2 * (lane % 4),
                             slice == 0 && group == 0 && lane % 4 == 0, softmax, out_acc);
+    clock.mark(15);  // every store issued
+    clock.store(p, 1 + group);
   };
   if (consumer_thread < Cfg::kScorerThreads) {
     consume(std::integral_constant<int, 0>{});

@@ -10,7 +10,8 @@
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
 // Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --scales | --profile |
-//      --profile-small [h16 [heads]] | --profile-bf16]   (exit code 0 only when every check passes)
+//      --profile-small [h16|h64 [heads [tokens [splits]]]] | --profile-bf16]
+//      (exit code 0 only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --ablate: only the
 //   dsv3_2 H=128 rows of --headline (decode and prefill variant at T=128, prefill T=4096), for builds
@@ -355,7 +356,7 @@ void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
   }
 #if JSMLA_PHASE_CLOCKS
   const size_t records = static_cast<size_t>(d.pr.num_tokens * p.num_head_tiles * p.num_splits) *
-                         cuda::PhaseClock::kRoles * cuda::PhaseClock::kRecord;
+                         kernel->shape.cluster_blocks * cuda::PhaseClock::kRoles * cuda::PhaseClock::kRecord;
   if (g_phase_clocks.size() != records) {
     if (g_phase_clocks_device) CHECK_CUDA(cudaFree(g_phase_clocks_device));
     CHECK_CUDA(cudaMalloc(&g_phase_clocks_device, records * sizeof(long long)));
@@ -813,18 +814,21 @@ int main(int argc, char** argv) {
   // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
   // the Hopper family when available, else the portable one). --headline: the headline shapes on the
   // Hopper family, each checked and timed (a quick performance comparison between builds).
-  // --profile-small [h16 [heads]]: the T=1 H=128 decode once, for ncu: 32 splits of the 64-head tile, or
-  // (h16) the planner's pick, 16 splits of the 16-head tile (at H = heads, default 128). Built with
-  // JSMLA_PHASE_CLOCKS=1, it prints the 16-head tile's phase records (benchmarks/phase_clocks.py).
+  // --profile-small [h16|h64 [heads [tokens [splits]]]]: one small-batch decode, for ncu; by default
+  // T = 1 H = 128 with 32 splits of the 64-head tile, or (h16) the planner's pick, 16 splits of the
+  // 16-head tile. Built with JSMLA_PHASE_CLOCKS=1, it prints the Hopper tiles' phase records
+  // (benchmarks/phase_clocks.py).
   if (mode == "--profile-small") {
     const Fp8Table fp8;
     HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
     const bool h16 = argc > 2 && std::string(argv[2]) == "h16";
-    const int heads = argc > 3 ? std::atoi(argv[3]) : 128;  // h16 only: 16 or 128
-    Problem pr1{"dsv3_2 T=1 H=" + std::to_string(heads) + " k=2048", FormatId::kDsv32, 1, heads, 2048, 0, 0.0417f,
-                false, false, -1, 0.0, 8};
+    const int heads = argc > 3 ? std::atoi(argv[3]) : 128;
+    const int64_t tokens = argc > 4 ? std::atoll(argv[4]) : 1;
+    const int splits = argc > 5 ? std::atoi(argv[5]) : h16 ? 16 : 32;
+    Problem pr1{"dsv3_2 T=" + std::to_string(tokens) + " H=" + std::to_string(heads) + " k=2048", FormatId::kDsv32,
+                tokens, heads, 2048, 0, 0.0417f, false, false, -1, 0.0, 8};
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
-    const Plan plan = h16 ? decode_plan(16, 2048, 16) : decode_plan(64, 2048, 32);
+    const Plan plan = decode_plan(h16 ? 16 : 64, 2048, splits);
     run_case(d1, g_hopper_device ? on_hopper(plan) : plan, {0}, 0);
 #if JSMLA_PHASE_CLOCKS
     // The last launch's records, in the lines benchmarks/phase_clocks.py reads.
@@ -834,10 +838,13 @@ int main(int argc, char** argv) {
     for (int block = 0; block < blocks; ++block) {
       for (int role = 0; role < cuda::PhaseClock::kRoles; ++role) {
         const long long* r = &g_phase_clocks[(static_cast<size_t>(block) * cuda::PhaseClock::kRoles + role) * kRecord];
-        if (r[0] < 0) continue;  // the kernel marks no phases
-        std::printf("PHASE h16 %s block=%d split=%d head_tile=%d token=%d start_ns=%lld end_ns=%lld c=",
-                    role == 0 ? "producer" : "consumer", block, block % plan.num_splits,
-                    (block / plan.num_splits) % head_tiles, block / plan.num_splits / head_tiles, r[0], r[1]);
+        if (r[0] < 0) continue;  // the kernel marks no phases, or not this role
+        static const char* const kH16Roles[] = {"producer", "consumer", ""};
+        static const char* const kH64Roles[] = {"producer", "scorer", "pv"};
+        std::printf("PHASE %s %s block=%d split=%d head_tile=%d token=%d start_ns=%lld end_ns=%lld c=",
+                    h16 ? "h16" : "h64", (h16 ? kH16Roles : kH64Roles)[role], block, block % plan.num_splits,
+                    (block / plan.num_splits) % head_tiles, static_cast<int>(block / plan.num_splits / head_tiles), r[0],
+                    r[1]);
         for (int i = 0; i < cuda::PhaseClock::kMarks; ++i) std::printf(i ? ",%lld" : "%lld", r[2 + i]);
         std::printf("\n");
       }
