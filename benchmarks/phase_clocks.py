@@ -2,8 +2,8 @@
 
 Reads the `PHASE ...` lines of a run (a file or stdin), keeps the last launch of each kernel (a launch
 ends where a (kernel, role, block) repeats), and prints per kernel and role the median and maximum over
-the blocks of the SM clock cycles from a block's start to each mark, in µs at --ghz, and the launch's
-spread of block start and end times (global timer, ns).
+the blocks of the SM clock cycles from a block's start (its earliest role's first statement) to each
+mark, in µs at --ghz, and the launch's spread of block start and end times (global timer, ns).
 
     bash benchmarks/ab_tree.sh clocks main JSMLA_PHASE_CLOCKS=1
     /tmp/jsmla_ab_build_clocks/portable_check --profile-small h16 | python3 benchmarks/phase_clocks.py --ghz 1.98
@@ -15,20 +15,17 @@ import statistics
 import sys
 
 LINE = re.compile(
-    r"PHASE (\S+) (\S+) block=(\d+) split=(-?\d+) head_tile=(-?\d+) token=(-?\d+) start_ns=(\d+) end_ns=(\d+) c=([-\d,]+)"
+    r"PHASE (\S+) (\S+) block=(\d+) split=(-?\d+) head_tile=(-?\d+) token=(-?\d+) start_ns=(\d+) end_ns=(\d+)"
+    r"(?: start_cycles=(-?\d+))? c=([-\d,]+)"
 )
 
 # What each mark means, per kernel and role (the comments at the marks in the kernels).
 MARK_NAMES = {
-    ("h16", "producer"): ["tile 0 issued"]
-    + [f"tile {i // 2} {'landed' if i % 2 == 0 else 'converted'}" for i in range(14)]
-    + ["(unused)"],
+    ("h16", "producer"): ["tile 0 issued"] + [f"tile {i // 2} {'landed' if i % 2 == 0 else 'converted'}" for i in range(15)],
     ("h16", "consumer"): ["Q loaded"]
     + [f"tile {i // 3} {('full', 'S done', 'P written')[i % 3]}" for i in range(12)]
     + ["last O done", "out rows in smem", "stores issued"],
-    ("h64", "producer"): ["tiles 0-1 issued"]
-    + [f"tile {i // 2} {'landed' if i % 2 == 0 else 'converted'}" for i in range(14)]
-    + ["(unused)"],
+    ("h64", "producer"): ["tiles 0-1 issued"] + [f"tile {i // 2} {'landed' if i % 2 == 0 else 'converted'}" for i in range(15)],
     ("h64", "scorer"): ["Q loaded"]
     + [f"tile {i // 3} {('full', 'S done', 'P handed over')[i % 3]}" for i in range(12)]
     + ["last P·V done", "final max and sum", "stores issued"],
@@ -54,7 +51,8 @@ def parse(stream):
             "token": int(m.group(6)),
             "start_ns": int(m.group(7)),
             "end_ns": int(m.group(8)),
-            "marks": [int(x) for x in m.group(9).split(",")],
+            "start_cycles": int(m.group(9)) if m.group(9) is not None else None,
+            "marks": [int(x) for x in m.group(10).split(",")],
         }
         keys = seen.setdefault(kernel, set())
         if (role, block) in keys:  # a new launch of this kernel
@@ -62,7 +60,24 @@ def parse(stream):
             launches[kernel] = {}
         keys.add((role, block))
         launches.setdefault(kernel, {}).setdefault(role, []).append(record)
+    for roles in launches.values():
+        _common_origin(roles)
     return launches
+
+
+def _common_origin(roles):
+    """Shifts each record's marks to cycles from the earliest start among its block's roles (where the
+    records carry their start clock), so the roles of a block read on one time line."""
+    origin = {}
+    for records in roles.values():
+        for r in records:
+            if r["start_cycles"] is not None:
+                origin[r["block"]] = min(origin.get(r["block"], r["start_cycles"]), r["start_cycles"])
+    for records in roles.values():
+        for r in records:
+            if r["start_cycles"] is not None:
+                shift = r["start_cycles"] - origin[r["block"]]
+                r["marks"] = [m + shift if m >= 0 else m for m in r["marks"]]
 
 
 def table(launches, ghz):

@@ -36,6 +36,14 @@ def test_last_launch_medians_and_maxima():
     assert "tile 1 full" not in text  # marks no block reached are left out
 
 
+def test_roles_of_a_block_share_one_time_line():
+    producer = _line("producer", 0, 1000, 9000, [100, 2000]).replace(" c=", " start_cycles=5000 c=")
+    consumer = _line("consumer", 0, 1000, 9000, [400, -1, 900]).replace(" c=", " start_cycles=5300 c=")
+    launches = phase_clocks.parse(io.StringIO(producer + consumer))
+    assert launches["h16"]["producer"][0]["marks"][:2] == [100, 2000]  # the earlier role is the origin
+    assert launches["h16"]["consumer"][0]["marks"][:3] == [700, -1, 1200]  # shifted by 300; unreached stays -1
+
+
 def test_no_records_is_an_error(tmp_path, capsys):
     log = tmp_path / "run.log"
     log.write_text("dsv3_2 T=1 H=128 PASS\n")

@@ -1,8 +1,9 @@
 // A compile-time diagnostic of where a block's time goes. With JSMLA_PHASE_CLOCKS = 1 (launch_params.h;
 // benchmarks/ab_tree.sh NAME=value) one thread of each role of a kernel that marks its phases records
 // the SM clock at each mark, and at its end stores a record per block and role into
-// SplitKvParams::phase_clocks (when the launch set it): the global timer (ns) at the block's start and
-// end, then the clock cycles from the block's start to each mark (-1: not reached). The standalone
+// SplitKvParams::phase_clocks (when the launch set it): the global timer (ns) at the thread's start
+// (the kernel's first statement) and end, the SM clock at its start (the roles of a block compare by
+// it), then the clock cycles from its start to each mark (-1: not reached). The standalone
 // check's --profile-small prints the records; benchmarks/phase_clocks.py turns them into a table.
 // With the knob at 0 (the default) every call below compiles to nothing.
 //
@@ -19,7 +20,7 @@ namespace jsmla::cuda {
 
 struct PhaseClock {
   static constexpr int kMarks = 16;            // marks a role records; later ones are dropped
-  static constexpr int kRecord = 2 + kMarks;   // start_ns, end_ns, the marks
+  static constexpr int kRecord = 3 + kMarks;   // start_ns, end_ns, start clock, the marks
   static constexpr int kRoles = 3;             // records a block stores (roles 0, 1, 2)
 #if JSMLA_PHASE_CLOCKS
   bool active;
@@ -50,8 +51,9 @@ struct PhaseClock {
     long long* const record = p.phase_clocks + (static_cast<int64_t>(blockIdx.x) * kRoles + role) * kRecord;
     record[0] = start_ns;
     record[1] = now_ns();
+    record[2] = start;
 #pragma unroll
-    for (int i = 0; i < kMarks; ++i) record[2 + i] = at[i];
+    for (int i = 0; i < kMarks; ++i) record[3 + i] = at[i];
   }
 #else
   JSMLA_DEVICE explicit PhaseClock(bool) {}

@@ -46,6 +46,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   float* const score_bias = reinterpret_cast<float*>(smem + Cfg::kBiasOffset);  // [kStages][kN]
   auto tile_buffer = [&](int b) { return smem + Cfg::kTileOffset + b * Cfg::kTileBytes; };
 
+  // JSMLA_PHASE_CLOCKS (phase_clock.cuh): the marks of producer thread 0 (role 0) and consumer thread 0
+  // (role 1), from here.
+  PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads);
   // The split merge queued after a decode launch may start its blocks now.
   allow_dependent_launch();
   const AttentionParams& a = p.attn;
@@ -60,9 +63,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
-  // JSMLA_PHASE_CLOCKS (phase_clock.cuh): the marks of producer thread 0 (role 0) and consumer thread 0
-  // (role 1).
-  PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads);
 
   if (threadIdx.x < Cfg::kProducerThreads) {
     // ------------------------------------------------------------------ producer warpgroups

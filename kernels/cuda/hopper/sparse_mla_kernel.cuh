@@ -58,6 +58,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // Exact scales: stage b's per-candidate mantissas [group][candidate] (then ratios, unused here).
   auto factors = [&](int b) { return reinterpret_cast<float*>(smem + Cfg::kFactorOffset + b * Cfg::kFactorBytes); };
 
+  // JSMLA_PHASE_CLOCKS (phase_clock.cuh): the marks of thread 0 of the producer (role 0), the scorer
+  // (role 1) and warpgroup 2 (role 2), from here; the producer's tiles for staged rows only.
+  PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads ||
+                   threadIdx.x == Cfg::kProducerThreads + Cfg::kScorerThreads);
   // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
   // results before reading them).
   allow_dependent_launch();
@@ -77,10 +81,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   }
 
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
-  // JSMLA_PHASE_CLOCKS (phase_clock.cuh): the marks of thread 0 of the producer (role 0), the scorer
-  // (role 1) and warpgroup 2 (role 2); staged rows only.
-  PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads ||
-                   threadIdx.x == Cfg::kProducerThreads + Cfg::kScorerThreads);
   // Lane slices: the score-exchange buffers [tile parity] (the other block stores its partial scores
   // into this block's, counted on this block's transaction barrier of that parity), initialised before
   // either block of the cluster goes on.
