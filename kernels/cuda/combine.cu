@@ -3,30 +3,9 @@
 #include "kernels/cuda/combine.h"
 
 #include "kernels/cuda/combine.cuh"
-#include "kernels/cuda/launch_utils.h"
-
-// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 asks the driver for the largest shared
-// memory carve-out for every combine kernel (once per device and kernel), the split kernels' own
-// configuration, so an SM needs no reconfiguration of its L1/shared split between the split kernel, the
-// merge and the next split kernel; 0 (the default) leaves the driver's choice.
-#ifndef JSMLA_COMBINE_MAX_CARVEOUT
-#define JSMLA_COMBINE_MAX_CARVEOUT 0
-#endif
 
 namespace jsmla::cuda {
 namespace {
-
-template <class Kernel>
-cudaError_t launch_kernel(const cudaLaunchConfig_t& config, Kernel* kernel, const CombineParams& p) {
-#if JSMLA_COMBINE_MAX_CARVEOUT
-  static DeviceOnce carveout;  // one per kernel instantiation
-  const cudaError_t error = carveout.run([&] {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-  });
-  if (error != cudaSuccess) return error;
-#endif
-  return cudaLaunchKernelEx(&config, kernel, p);
-}
 
 // The most partial loads in flight of any instantiation below (a thread's batch of split weights).
 constexpr int kMaxSplitsInFlight = 16;
@@ -40,8 +19,8 @@ cudaError_t launch_instance(const CombineParams& p, cudaLaunchConfig_t config) {
                 "the padded weights cover every batch of split weights");
   static_assert(kThreadsPerSm % kThreads == 0 && kThreadsPerSm <= 2048, "whole blocks within an SM's threads");
   config.blockDim = dim3(kThreads);
-  return launch_kernel(config, combine_splits_kernel<kDv, kLanes, kGroups, kSplitsInFlight, kThreadsPerSm / kThreads, kFewSplits>,
-                       p);
+  return cudaLaunchKernelEx(&config, combine_splits_kernel<kDv, kLanes, kGroups, kSplitsInFlight,
+                                                           kThreadsPerSm / kThreads, kFewSplits>, p);
 }
 
 template <int kDv>
@@ -55,9 +34,10 @@ cudaError_t launch_shape(const CombineParams& p, int sm_count, cudaLaunchConfig_
       config.gridDim = dim3(static_cast<unsigned>((rows + kWarpCombineRows - 1) / kWarpCombineRows));
       config.blockDim = dim3(32 * kWarpCombineRows);
       config.dynamicSmemBytes = 0;
-      if (p.num_splits <= 2) return launch_kernel(config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 2>, p);
-      if (p.num_splits <= 4) return launch_kernel(config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 4>, p);
-      return launch_kernel(config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, warp_combine_max_splits(kDv)>, p);
+      if (p.num_splits <= 2) return cudaLaunchKernelEx(&config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 2>, p);
+      if (p.num_splits <= 4) return cudaLaunchKernelEx(&config, combine_rows_by_warp_kernel<kDv, kWarpCombineRows, 4>, p);
+      return cudaLaunchKernelEx(&config,
+                                combine_rows_by_warp_kernel<kDv, kWarpCombineRows, warp_combine_max_splits(kDv)>, p);
     case CombineShape::kWide:
       break;
   }
