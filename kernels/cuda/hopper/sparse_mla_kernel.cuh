@@ -222,24 +222,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           finish_tile(b, valid, scale_slot(i & kSetMask));
           clock.mark(2 + 2 * i);  // tile i converted
         }
-        cp_async_wait_pending<0>();
-        clock.store(p, 0);
-        return;
-      }
-      for (int i = 0; i < tiles.count; ++i) {
-        const int b = i & 1;
-        cp_async_wait_pending<1>();
-        clock.mark(1 + 2 * i);  // tile i landed
-        if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
-        uint8_t* const tile = tile_buffer(b);
-        const bool valid = (staged_valid >> b) & 1u;
-        Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b) + slice * Loader::kSliceScaleBytes, load_sub, [&](int dim, uint4 values) {
-          *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
-        });
-        finish_tile(b, valid, scale_slot(b));
-        clock.mark(2 + 2 * i);  // tile i converted
-        staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b, b) ? 1u << b : 0u);
-        pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
+      } else {
+        for (int i = 0; i < tiles.count; ++i) {
+          const int b = i & 1;
+          cp_async_wait_pending<1>();
+          clock.mark(1 + 2 * i);  // tile i landed
+          if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+          uint8_t* const tile = tile_buffer(b);
+          const bool valid = (staged_valid >> b) & 1u;
+          Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b) + slice * Loader::kSliceScaleBytes, load_sub, [&](int dim, uint4 values) {
+            *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
+          });
+          finish_tile(b, valid, scale_slot(b));
+          clock.mark(2 + 2 * i);  // tile i converted
+          staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b, b) ? 1u << b : 0u);
+          pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
+        }
       }
     }
     cp_async_wait_pending<0>();

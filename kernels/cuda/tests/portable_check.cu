@@ -315,6 +315,8 @@ bool g_dependent_combine = false;  // sm_90 or newer: the combine is the split k
 int g_sm_count = 0;
 #if JSMLA_PHASE_CLOCKS
 // The last launch's phase records (phase_clock.cuh): [block][role][PhaseClock::kRecord], -1 where unwritten.
+// Every launch of such a build copies them back and waits for it: its timings are not the kernels'
+// (--profile-small is the mode it serves).
 std::vector<long long> g_phase_clocks;
 long long* g_phase_clocks_device = nullptr;
 #endif
@@ -364,8 +366,6 @@ void launch(DeviceProblem& d, const Plan& plan, int set, cudaStream_t stream) {
   }
   CHECK_CUDA(cudaMemsetAsync(g_phase_clocks_device, 0xff, records * sizeof(long long), stream));
   p.phase_clocks = g_phase_clocks_device;
-#endif
-#if JSMLA_PHASE_CLOCKS
   // JSMLA_PHASE_BACK_TO_BACK=1: the split kernel twice in a row (the records are the second launch's),
   // to tell a block's first-time costs that survive a launch from those another kernel brings back.
   if (std::getenv("JSMLA_PHASE_BACK_TO_BACK") != nullptr) CHECK_CUDA(kernel->launch(p, stream));
