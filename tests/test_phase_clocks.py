@@ -1,9 +1,11 @@
 """benchmarks/phase_clocks.py, the table of a JSMLA_PHASE_CLOCKS build's phase records: the last launch
 of a kernel kept, medians and maxima per mark over the blocks, unreached marks left out, and a clear
-failure when a run printed no records."""
+failure when a run printed no records; benchmarks/phase_clocks.sh refuses a tree built without the knob."""
 
 import io
+import os
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -49,3 +51,13 @@ def test_no_records_is_an_error(tmp_path, capsys):
     log.write_text("dsv3_2 T=1 H=128 PASS\n")
     assert phase_clocks.main([str(log)]) == 1
     assert "no PHASE lines" in capsys.readouterr().out
+
+
+def test_the_device_script_refuses_a_tree_without_the_knob(tmp_path):
+    header = tmp_path / "kernels" / "cuda" / "launch_params.h"
+    header.parent.mkdir(parents=True)
+    header.write_text("#ifndef JSMLA_PHASE_CLOCKS\n#define JSMLA_PHASE_CLOCKS 0\n#endif\n")
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "phase_clocks.sh"), str(tmp_path)],
+                         capture_output=True, text=True, env=dict(os.environ, OUT=str(tmp_path / "out")))
+    assert run.returncode == 2
+    assert "not built with JSMLA_PHASE_CLOCKS=1" in run.stdout
