@@ -84,19 +84,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       cp_async_commit();
       return valid;
     };
-    // Tile i's hand-over, its units in registers: wait for the consumer to free tile buffer b (from
-    // tile 2 on), convert into it, then arrive at full[b].
-    auto hand_over = [&](int i, bool valid, const uint4 (&units)[Loader::kUnitsPerThread]) {
-      const int b = i & (Cfg::kStages - 1);
-      if (i >= Cfg::kStages) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
-      uint8_t* const tile = tile_buffer(b);
-      Loader::convert_loaded(valid, units, scale_slot(b), load_sub, [&](int dim, uint4 values) {
-        *reinterpret_cast<uint4*>(tile + swizzled_offset(tile_row, dim, kN)) = values;
-      });
-      if (load_sub == 0) score_bias[b * kN + tile_row] = valid ? 0.0f : -INFINITY;
-      fence_proxy_async_shared();
-      named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
-    };
     bool valid = issue_row(read_row(0), 0);
     clock.mark(0);  // tile 0's indices read, its copies issued
     PendingRow pending = read_row(1);
@@ -111,7 +98,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // in slot set b for the conversion.
       const bool next_valid = issue_row(pending, b ^ 1);
       pending = read_row(i + 2);
-      hand_over(i, valid, units);
+      if (i >= Cfg::kStages) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+      uint8_t* const tile = tile_buffer(b);
+      Loader::convert_loaded(valid, units, scale_slot(b), load_sub, [&](int dim, uint4 values) {
+        *reinterpret_cast<uint4*>(tile + swizzled_offset(tile_row, dim, kN)) = values;
+      });
+      if (load_sub == 0) score_bias[b * kN + tile_row] = valid ? 0.0f : -INFINITY;
+      fence_proxy_async_shared();
+      named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
       clock.mark(2 + 2 * i);  // tile i converted
       valid = next_valid;
     }
