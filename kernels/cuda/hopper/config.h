@@ -38,6 +38,15 @@
 #define JSMLA_HOPPER_REGISTER_STAGING 0
 #endif
 
+// Compile-time knob for A/B timing: 1 makes the 64-head tile's consumers store their output rows
+// through shared memory (the Q area, free after the last S): each thread writes its normalised BF16
+// column pairs into swizzled rows, then the 256 consumer threads copy whole rows out in 16-byte runs (a
+// warp's store covers 512 contiguous bytes), in place of the quad transposes of epilogue.cuh's
+// store_rows (a fraction of the code). 0 (the default): store_rows.
+#ifndef JSMLA_HOPPER_SMEM_EPILOGUE
+#define JSMLA_HOPPER_SMEM_EPILOGUE 0
+#endif
+
 namespace jsmla::cuda::hopper {
 
 // Shared memory per block on sm_90 (opt-in maximum).
@@ -192,6 +201,8 @@ struct HopperConfig {
   static constexpr int kPReadyBarrier = kQBarrier + 1;     // + P buffer: scorer and warpgroup 2 both wait (two-sided);
                                                            // with one P buffer the scorer only arrives
   static constexpr int kPFreeBarrier = kPReadyBarrier + kPBuffers;  // one P buffer: warpgroup 2 arrives, scorer waits
+  static constexpr int kEpilogueBarrier = kPFreeBarrier + 1;  // consumers only: their output rows are staged
+                                                              // (JSMLA_HOPPER_SMEM_EPILOGUE)
 
   static_assert(hopper_format(kFormat), "format not served by the Hopper family");
   static_assert(kHeadTile == 64, "a head tile is one wgmma M of 64 rows");
@@ -239,7 +250,9 @@ struct HopperConfig {
                 "slices), each block one slice's columns of the output");
   static_assert(kExchangeOffset % 16 == 0 && kExchangeBarrierOffset % 8 == 0,
                 "exchange buffers take 16-byte stores, transaction barriers are 8-byte words");
-  static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
+  static_assert(kEpilogueBarrier < 16, "sm_90 has 16 named barriers");
+  static_assert(kQBytes >= kHeadTile * kDv * 2 && kDv % 64 == 0,
+                "JSMLA_HOPPER_SMEM_EPILOGUE: the block's BF16 output rows fit the Q area, whole 8-chunk swizzle rows");
   static_assert(!kSplitTrailingLanes || ((kKSteps - kQuantKSteps) % kLaneSlices == 0 &&
                                          Geometry::kBf16Units % kLaneSlices == 0 && kF.quant_dim % 16 == 0),
                 "split trailing lanes: each block's share is whole k16 steps and whole 16-byte units");
