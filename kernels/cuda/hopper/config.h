@@ -29,15 +29,6 @@
 #define JSMLA_LANE_SLICE_ROPE_SPLIT 1
 #endif
 
-// Compile-time knob for A/B timing: 1 makes the 64-head tile's producer copy tile i's staged units into
-// registers and refill that staging area with tile i + 2 before it converts tile i (the 16-head tile's
-// order), so a gather has two tile periods to land instead of one; the scales then take four slot sets
-// (tile i's in set i % 4). Staged rows of one block per (token, head tile, split) with power-of-two or
-// E4M3/UE8M0 scales only. 0 (the default): tile i + 2 is gathered once tile i is converted.
-#ifndef JSMLA_HOPPER_REGISTER_STAGING
-#define JSMLA_HOPPER_REGISTER_STAGING 0
-#endif
-
 // Compile-time knob for A/B timing: 1 makes the 64-head tile's consumers store their output rows
 // through shared memory (the Q area, free after the last S): each thread writes its normalised BF16
 // column pairs into swizzled rows, then the 256 consumer threads copy whole rows out in 16-byte runs (a
@@ -131,11 +122,6 @@ struct HopperConfig {
   // across the tile) where the registers allow: not beside a 64-candidate tile's scores.
   // Nor beside arbitrary scales: their scale groups' partial scores take those registers.
   static constexpr bool kScorerPVInFlight = !kWideTiles && !kExactScales;
-  // JSMLA_HOPPER_REGISTER_STAGING: the producer's staged units in registers before the refill; scale-slot
-  // sets (a tile's scales stay in set i % kScaleSets until its conversion).
-  static constexpr bool kRegisterStaging =
-      JSMLA_HOPPER_REGISTER_STAGING != 0 && !kDirectTiles && kLaneSlices == 1 && !kExactScales;
-  static constexpr int kScaleSets = kRegisterStaging ? 4 : 2;
 
   // Shared memory, in bytes (offsets from a 1024-byte aligned base):
   //   Q [kDqk/64 column blocks][64 heads][128 B], swizzled;
@@ -143,7 +129,7 @@ struct HopperConfig {
   //   kPBuffers P buffers [kPVariants][64 heads][kCandidateTile] BF16 in the 64- or 128-byte swizzled
   //   layout (K-major A of wgmma; one swizzle row per head): the second consumer's P, one variant per
   //   scale group of its columns;
-  //   two staging areas of raw rows and kScaleSets sets of per-thread scale slots (none for direct tiles), kStages
+  //   two staging areas of raw rows and their per-thread scale slots (none for direct tiles), kStages
   //   score-bias rows, kPBuffers rows of rescale factors, the final row maxima and sums, two stages of
   //   per-candidate mantissas and ratios (exact scales only; the ratios serve the portable family);
   //   lane slices only: two score-exchange buffers (by tile parity), which the other block of the
@@ -170,7 +156,7 @@ struct HopperConfig {
   static constexpr int kPaddedPitch = (Geometry::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
   static constexpr bool fits(int pitch) {
     return kQBytes + kStages * kTileBytes + kPBuffers * kPVariants * kPBytes + 2 * kCandidateTile * pitch +
-               kScaleSets * kScaleSlotsBytes + kStages * kBiasBytes + kPBuffers * kRescaleBytes + kFinalBytes +
+               2 * kScaleSlotsBytes + kStages * kBiasBytes + kPBuffers * kRescaleBytes + kFinalBytes +
                2 * kFactorBytes + 2 * kExchangeBytes + kExchangeBarrierBytes + 1024 <=
            kMaxSharedBytes;
   }
@@ -182,7 +168,7 @@ struct HopperConfig {
   static constexpr int kPOffset = kTileOffset + kStages * kTileBytes;
   static constexpr int kStageOffset = kPOffset + kPBuffers * kPVariants * kPBytes;
   static constexpr int kScaleSlotsOffset = kStageOffset + 2 * kStageBytes;
-  static constexpr int kBiasOffset = kScaleSlotsOffset + kScaleSets * kScaleSlotsBytes;
+  static constexpr int kBiasOffset = kScaleSlotsOffset + 2 * kScaleSlotsBytes;
   static constexpr int kRescaleOffset = kBiasOffset + kStages * kBiasBytes;
   static constexpr int kFinalOffset = kRescaleOffset + kPBuffers * kRescaleBytes;
   static constexpr int kFactorOffset = kFinalOffset + kFinalBytes;

@@ -103,12 +103,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     auto scale_slot = [&](int b) {
       return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes + threadIdx.x * Loader::kScaleSlotBytes;
     };
-    // Starts the copies of a row into staging area b and scale-slot set `set`; one commit group.
-    auto issue_row = [&](const PendingRow& row, int b, int set) {
+    auto issue_row = [&](const PendingRow& row, int b) {
       const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
       if (valid) {
         Loader::template issue<Cfg::kSplitTrailingLanes>(pending_cache<Loader::kF.dual_cache>(a, row), row.index,
-                                                          staged_row(b), scale_slot(set), load_sub, slice);
+                                                          staged_row(b), scale_slot(b), load_sub, slice);
       }
       cp_async_commit();
       return valid;
@@ -189,55 +188,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         }
       }
       // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
-      uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0, 0) ? 1u : 0u;
-      staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1, 1) ? 2u : 0u;
+      uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
+      staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
       clock.mark(0);  // tiles 0 and 1: indices read, copies issued
       PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
-      // Tile i's hand-over once its rows are converted: score bias (and factors), then full[b].
-      auto finish_tile = [&](int b, bool valid, const uint8_t* slot) {
+      for (int i = 0; i < tiles.count; ++i) {
+        const int b = i & 1;
+        cp_async_wait_pending<1>();
+        clock.mark(1 + 2 * i);  // tile i landed
+        if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
+        uint8_t* const tile = tile_buffer(b);
+        const bool valid = (staged_valid >> b) & 1u;
+        Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b) + slice * Loader::kSliceScaleBytes, load_sub, [&](int dim, uint4 values) {
+          *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
+        });
         if (load_sub == 0) {
           score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
-          if constexpr (Cfg::kExactScales) Loader::write_factors(valid, slot, factors(b), load_row);
+          if constexpr (Cfg::kExactScales) Loader::write_factors(valid, scale_slot(b), factors(b), load_row);
         }
         fence_proxy_async_shared();
         named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
-      };
-      if constexpr (Cfg::kRegisterStaging) {
-        constexpr int kSetMask = Cfg::kScaleSets - 1;
-        for (int i = 0; i < tiles.count; ++i) {
-          const int b = i & 1;
-          cp_async_wait_pending<1>();  // tile i has landed (only this thread reads its copies)
-          clock.mark(1 + 2 * i);       // tile i landed
-          uint4 units[Loader::kUnitsPerThread];
-          Loader::load_staged(staged_row(b), load_sub, units);
-          const bool valid = (staged_valid >> b) & 1u;
-          // Staging area b takes tile i + 2 behind these loads; tile i's scales stay in set i % kScaleSets.
-          staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b, (i + 2) & kSetMask) ? 1u << b : 0u);
-          pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
-          if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
-          uint8_t* const tile = tile_buffer(b);
-          Loader::convert_loaded(valid, units, scale_slot(i & kSetMask), load_sub, [&](int dim, uint4 values) {
-            *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
-          });
-          finish_tile(b, valid, scale_slot(i & kSetMask));
-          clock.mark(2 + 2 * i);  // tile i converted
-        }
-      } else {
-        for (int i = 0; i < tiles.count; ++i) {
-          const int b = i & 1;
-          cp_async_wait_pending<1>();
-          clock.mark(1 + 2 * i);  // tile i landed
-          if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
-          uint8_t* const tile = tile_buffer(b);
-          const bool valid = (staged_valid >> b) & 1u;
-          Loader::template convert_batched<Cfg::kConvertBatch>(valid, staged_row(b), scale_slot(b) + slice * Loader::kSliceScaleBytes, load_sub, [&](int dim, uint4 values) {
-            *reinterpret_cast<uint4*>(tile + swizzled_offset(load_row, dim, kN)) = values;
-          });
-          finish_tile(b, valid, scale_slot(b));
-          clock.mark(2 + 2 * i);  // tile i converted
-          staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b, b) ? 1u << b : 0u);
-          pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
-        }
+        clock.mark(2 + 2 * i);  // tile i converted
+        staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
+        pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
       }
     }
     cp_async_wait_pending<0>();
