@@ -12,7 +12,9 @@
 # (AB_REPEAT_HEAD=0: not again). AB_QUICK_ALL=1: every tree runs the `--quick` matrix, not only the
 # working tree (AB_QUICK_TREES names the trees that do); AB_RACECHECK=1: every tree's `--sanitize` cases
 # also run under compute-sanitizer racecheck; AB_MODE=--ablate times only the dsv3_2 H = 128 rows (for
-# trees that leave a stage of the kernel out); AB_BASELINE=head: the ratios are to the working tree instead
+# trees that leave a stage of the kernel out); AB_MODE may name other runs of the check, ";"-separated, each
+# with its arguments (AB_MODE="--profile-small h64 128 16 4 25;--profile-small h64 128 32 2 25": one
+# small-batch shape each, checked, then timed); AB_BASELINE=head: the ratios are to the working tree instead
 # of the first tree given (no separate baseline tree to build). Logs go to $OUT (default /tmp/jsmla_ab).
 set -uo pipefail
 out=${OUT:-/tmp/jsmla_ab}
@@ -46,8 +48,14 @@ done
 echo "builds: $(( $(date +%s) - start )) s"
 
 status=0
-run_headline() {  # name log
-  timeout "${AB_TIMEOUT:-150}" "/tmp/jsmla_ab_build_$1/portable_check" "${AB_MODE:---headline}" > "$out/$2" 2>&1 || status=1
+run_headline() {  # name log: each of AB_MODE's ";"-separated argument lists, one run each, into one log
+  local mode modes args
+  : > "$out/$2"
+  IFS=";" read -ra modes <<< "${AB_MODE:---headline}"
+  for mode in "${modes[@]}"; do
+    read -ra args <<< "$mode"
+    timeout "${AB_TIMEOUT:-150}" "/tmp/jsmla_ab_build_$1/portable_check" "${args[@]}" >> "$out/$2" 2>&1 || status=1
+  done
 }
 for i in "${!names[@]}"; do run_headline "${names[$i]}" "headline_${names[$i]}.log"; done
 # AB_REPEAT_HEAD=0: no second run of the working tree (the clocks' drift goes unmeasured; saves a run).
