@@ -28,13 +28,9 @@ for t in "$@"; do
 done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader | tee "$out/gpu.txt"
 
+source "$repo/benchmarks/check_build.sh"
 build_tree() {  # name dir
-  local build=/tmp/jsmla_ab_build_$1
-  (cd "$2" && cmake -S . -B "$build" -G Ninja -DJSMLA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real \
-      -DPython_EXECUTABLE="$(command -v python3)" && cmake --build "$build" -j"$(nproc)" --target jsmla_cuda &&
-    nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
-      kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc "$build/libjsmla_cuda.a" -o "$build/portable_check") \
-    > "$out/build_$1.log" 2>&1
+  build_check_tree "$2" "/tmp/jsmla_ab_build_$1" "$out/build_$1.log"
 }
 
 start=$(date +%s)

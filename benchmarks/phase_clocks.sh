@@ -16,11 +16,8 @@ mkdir -p "$out"
 build=/tmp/jsmla_phase_build
 grep -qE "^#define JSMLA_PHASE_CLOCKS 1" "$tree/kernels/cuda/launch_params.h" ||
   { echo "phase_clocks.sh: $tree is not built with JSMLA_PHASE_CLOCKS=1 (benchmarks/ab_tree.sh)"; exit 2; }
-(cd "$tree" && cmake -S . -B "$build" -G Ninja -DJSMLA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a-real \
-    -DPython_EXECUTABLE="$(command -v python3)" && cmake --build "$build" -j"$(nproc)" --target jsmla_cuda &&
-  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
-    kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc "$build/libjsmla_cuda.a" -o "$build/portable_check") \
-  > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+source "$repo/benchmarks/check_build.sh"
+build_check_tree "$tree" "$build" "$out/build.log" || { tail -30 "$out/build.log"; exit 1; }
 ghz=$(nvidia-smi --query-gpu=clocks.max.sm --format=csv,noheader,nounits | head -1 | awk '{print $1 / 1000}')
 status=0
 IFS=';' read -ra shapes <<< "${JSMLA_PHASE_SHAPES:-h16 128 1 16;h64 128 16 4}"
