@@ -39,6 +39,14 @@
 #define JSMLA_HOPPER_SMEM_EPILOGUE 0
 #endif
 
+// Compile-time knob for A/B timing: 1 makes the 64-head tile's producer read the indices of its first
+// tiles (every stage's) before it issues any of their gathers, so their loads are in flight together; 0
+// (the default): each tile's gathers are issued before the next tile's indices are read, which then
+// wait for the first index load to return (the copies' addresses need it).
+#ifndef JSMLA_HOPPER_EARLY_INDICES
+#define JSMLA_HOPPER_EARLY_INDICES 0
+#endif
+
 namespace jsmla::cuda::hopper {
 
 // Shared memory per block on sm_90 (opt-in maximum).

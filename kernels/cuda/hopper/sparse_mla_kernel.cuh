@@ -149,11 +149,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       };
       constexpr int kStages = Cfg::kStages;
       Rows pending;
+#if JSMLA_HOPPER_EARLY_INDICES
+      {
+        Rows first[kStages];  // every stage's indices in flight before the first gather needs one
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) read_rows(first[s], s);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) issue_direct(first[s], s);
+      }
+#else
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
         read_rows(pending, s);
         issue_direct(pending, s);
       }
+#endif
       read_rows(pending, kStages);
       for (int i = 0; i < tiles.count; ++i) {
         const int b = i & (kStages - 1);
@@ -188,8 +198,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         }
       }
       // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
+#if JSMLA_HOPPER_EARLY_INDICES
+      const PendingRow first = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row);
+      const PendingRow second = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row);
+      uint32_t staged_valid = issue_row(first, 0) ? 1u : 0u;
+      staged_valid |= issue_row(second, 1) ? 2u : 0u;
+#else
       uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
       staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
+#endif
       clock.mark(0);  // tiles 0 and 1: indices read, copies issued
       PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
       for (int i = 0; i < tiles.count; ++i) {
