@@ -104,37 +104,4 @@ JSMLA_DEVICE void store_rows(const SplitKvParams& p, int64_t token, int split, c
   }
 }
 
-// Output rows through shared memory, in two steps with a barrier between (JSMLA_HOPPER_SMEM_EPILOGUE).
-// stage_rows_bf16: a thread's two accumulator rows `rows` (of the block's [rows][kColumns] BF16 rows at
-// `staged`; 16-byte chunk c of row r at c ^ (r % 8), so the eight rows of a warp's store fall on
-// distinct banks), times factor[r], for columns column_first + 8j, + 1 of fragment j (column_first =
-// 2 (lane % 4) plus a multiple of 8).
-template <int kColumns, int kCount>
-JSMLA_DEVICE void stage_rows_bf16(uint8_t* staged, const int (&rows)[2], int column_first, const float (&factor)[2],
-                                  const float (&acc)[kCount]) {
-  static_assert(kCount % 4 == 0 && kColumns % 64 == 0, "whole m16n8 fragments into whole 8-chunk swizzle rows");
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    uint8_t* const row = staged + rows[r] * (kColumns * 2);
-#pragma unroll
-    for (int j = 0; j < kCount / 4; ++j) {
-      const int column = column_first + 8 * j;
-      *reinterpret_cast<uint32_t*>(row + (((column / 8) ^ (rows[r] % 8)) * 16) + (column % 8) * 2) =
-          pack_bf16x2(acc[4 * j + 2 * r] * factor[r], acc[4 * j + 2 * r + 1] * factor[r]);
-    }
-  }
-}
-// store_staged_rows: rows [0, count) of stage_rows_bf16's layout to global memory, row r at
-// row_address(r) (16-byte aligned), by `threads` threads in 16-byte runs, a warp's 32 runs contiguous.
-template <int kColumns, class RowAddress>
-JSMLA_DEVICE void store_staged_rows(const uint8_t* staged, int count, int thread, int threads, RowAddress row_address) {
-  constexpr int kChunks = kColumns / 8;
-  for (int i = thread; i < count * kChunks; i += threads) {
-    const int r = i / kChunks;
-    const int c = i % kChunks;
-    const uint4 run = *reinterpret_cast<const uint4*>(staged + r * (kColumns * 2) + ((c ^ (r % 8)) * 16));
-    *reinterpret_cast<uint4*>(row_address(r) + 8 * c) = run;
-  }
-}
-
 }  // namespace jsmla::cuda

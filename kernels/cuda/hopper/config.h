@@ -29,24 +29,6 @@
 #define JSMLA_LANE_SLICE_ROPE_SPLIT 1
 #endif
 
-// Compile-time knob for A/B timing: 1 makes the 64-head tile's consumers store their output rows
-// through shared memory (the Q area, free after the last S): each thread writes its normalised BF16
-// column pairs into swizzled rows, then the 256 consumer threads copy whole rows out in 16-byte runs (a
-// warp's store covers 512 contiguous bytes), in place of the quad transposes of epilogue.cuh's
-// store_rows (whose selects and shuffles are about 100 KB of the dsv3_2 instance's 157 KB of SASS).
-// 0 (the default): store_rows.
-#ifndef JSMLA_HOPPER_SMEM_EPILOGUE
-#define JSMLA_HOPPER_SMEM_EPILOGUE 0
-#endif
-
-// Compile-time knob for A/B timing: 1 makes the 64-head tile's producer read the indices of its first
-// tiles (every stage's) before it issues any of their gathers, so their loads are in flight together; 0
-// (the default): each tile's gathers are issued before the next tile's indices are read, which then
-// wait for the first index load to return (the copies' addresses need it).
-#ifndef JSMLA_HOPPER_EARLY_INDICES
-#define JSMLA_HOPPER_EARLY_INDICES 0
-#endif
-
 // Compile-time knob for A/B timing: 1 makes the 64-head tile's producer run its conversion once on
 // unwritten shared memory while the first gathers are in flight (formats without arbitrary scales or
 // lane slices), so that the first tile's conversion finds its code cached; 0 (the default): no dry run.
@@ -203,8 +185,6 @@ struct HopperConfig {
   static constexpr int kPReadyBarrier = kQBarrier + 1;     // + P buffer: scorer and warpgroup 2 both wait (two-sided);
                                                            // with one P buffer the scorer only arrives
   static constexpr int kPFreeBarrier = kPReadyBarrier + kPBuffers;  // one P buffer: warpgroup 2 arrives, scorer waits
-  static constexpr int kEpilogueBarrier = kPFreeBarrier + 1;  // consumers only: their output rows are staged
-                                                              // (JSMLA_HOPPER_SMEM_EPILOGUE)
 
   static_assert(hopper_format(kFormat), "format not served by the Hopper family");
   static_assert(kHeadTile == 64, "a head tile is one wgmma M of 64 rows");
@@ -252,9 +232,7 @@ struct HopperConfig {
                 "slices), each block one slice's columns of the output");
   static_assert(kExchangeOffset % 16 == 0 && kExchangeBarrierOffset % 8 == 0,
                 "exchange buffers take 16-byte stores, transaction barriers are 8-byte words");
-  static_assert(kEpilogueBarrier < 16, "sm_90 has 16 named barriers");
-  static_assert(!JSMLA_HOPPER_SMEM_EPILOGUE || (kQBytes >= kHeadTile * kDv * 2 && kDv % 64 == 0),
-                "JSMLA_HOPPER_SMEM_EPILOGUE: the block's BF16 output rows fit the Q area, whole 8-chunk swizzle rows");
+  static_assert(kPFreeBarrier < 16, "sm_90 has 16 named barriers");
   static_assert(!kSplitTrailingLanes || ((kKSteps - kQuantKSteps) % kLaneSlices == 0 &&
                                          Geometry::kBf16Units % kLaneSlices == 0 && kF.quant_dim % 16 == 0),
                 "split trailing lanes: each block's share is whole k16 steps and whole 16-byte units");

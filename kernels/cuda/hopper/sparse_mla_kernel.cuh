@@ -149,21 +149,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       };
       constexpr int kStages = Cfg::kStages;
       Rows pending;
-#if JSMLA_HOPPER_EARLY_INDICES
-      {
-        Rows first[kStages];  // every stage's indices in flight before the first gather needs one
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) read_rows(first[s], s);
-#pragma unroll
-        for (int s = 0; s < kStages; ++s) issue_direct(first[s], s);
-      }
-#else
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
         read_rows(pending, s);
         issue_direct(pending, s);
       }
-#endif
       read_rows(pending, kStages);
       for (int i = 0; i < tiles.count; ++i) {
         const int b = i & (kStages - 1);
@@ -198,15 +188,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         }
       }
       // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
-#if JSMLA_HOPPER_EARLY_INDICES
-      const PendingRow first = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row);
-      const PendingRow second = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row);
-      uint32_t staged_valid = issue_row(first, 0) ? 1u : 0u;
-      staged_valid |= issue_row(second, 1) ? 2u : 0u;
-#else
       uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
       staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
-#endif
       clock.mark(0);  // tiles 0 and 1: indices read, copies issued
       PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
 #if JSMLA_HOPPER_WARM_CONVERSION
@@ -584,47 +567,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       }
     }
     clock.mark(14);  // the rows' final max and sum known
-#if JSMLA_HOPPER_SMEM_EPILOGUE
-    {
-      // Every S is done (the scorer waited for its last one before the final barrier): Q's area holds the
-      // rows.
-      const bool write_final = p.workspace.partial_out == nullptr;
-      float factor[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int head = head_begin + rows[r];
-        const RowFinish finish = head < num_heads ? finish_row(softmax.row_max[r], softmax.row_sum[r], write_final,
-                                                               a.attn_sink, head)
-                                                  : RowFinish{0.0f, -INFINITY};
-        factor[r] = finish.factor;
-        if (slice == 0 && group == 0 && lane % 4 == 0 && head < num_heads) {
-          if (write_final) {
-            a.lse[token * num_heads + head] = finish.lse;
-          } else {
-            p.workspace.partial_lse[SplitWorkspace::row(coordinates.split, token, head, a.num_tokens, num_heads)] =
-                finish.lse;
-          }
-        }
-      }
-      stage_rows_bf16<Cfg::kDv>(q_smem, rows, group * Cfg::kDvPerGroup + 2 * (lane % 4), factor, out_acc);
-      named_barrier_sync(Cfg::kEpilogueBarrier, 2 * Cfg::kScorerThreads);
-      store_staged_rows<Cfg::kDv>(q_smem, min(Cfg::kHeadTile, num_heads - head_begin), consumer_thread,
-                                  2 * Cfg::kScorerThreads, [&](int r) {
-                                    const int head = head_begin + r;
-                                    uint16_t* const row =
-                                        write_final ? a.out + (token * num_heads + head) * Cfg::kRowDv
-                                                    : p.workspace.partial_out +
-                                                          SplitWorkspace::row(coordinates.split, token, head,
-                                                                              a.num_tokens, num_heads) *
-                                                              Cfg::kRowDv;
-                                    return row + slice * Cfg::kDv;
-                                  });
-    }
-#else
     store_rows<Cfg::kRowDv>(p, token, coordinates.split, {head_begin + rows[0], head_begin + rows[1]},
                             slice * Cfg::kDv + group * Cfg::kDvPerGroup + 2 * (lane % 4),
                             slice == 0 && group == 0 && lane % 4 == 0, softmax, out_acc);
-#endif
     clock.mark(15);  // every store issued
     clock.store(p, 1 + group);
   };
