@@ -73,36 +73,7 @@ if [ "${AB_RACECHECK:-0}" = 1 ]; then
   done
 fi
 
-python3 - "$out" "${names[@]}" <<'EOF'
-import os, re, sys
-out, names = sys.argv[1], sys.argv[2:]
-row = re.compile(r"^(.+?)\s+((?:H )?(?:decode|prefill) hpb=.*?)\s+(PASS|FAIL)\s+([0-9.]+) us")
-def rows(log):
-    table = {}
-    try:
-        for line in open(f"{out}/{log}"):
-            m = row.match(line)
-            if m: table[(m.group(1).strip(), m.group(2).strip())] = (m.group(3), float(m.group(4)))
-    except FileNotFoundError:
-        pass
-    return table
-runs = [(n, rows(f"headline_{n}.log")) for n in names]
-again = rows("headline_head_again.log")  # none with AB_REPEAT_HEAD=0: no column then
-runs += [("head again", again)] if again else []
-keys = list(runs[0][1]) or [k for _, r in runs for k in r]
-# the first tree given, else (or with AB_BASELINE=head) the working tree
-base = runs[1][1] if len(names) > 1 and os.environ.get("AB_BASELINE") != "head" else runs[0][1]
-print("| case | plan | " + " | ".join(n for n, _ in runs) + " |")
-print("|---|---|" + "---|" * len(runs))
-for k in keys:
-    cells = []
-    for n, r in runs:
-        if k not in r: cells.append("—"); continue
-        ok, us = r[k]
-        ratio = f" ({us / base[k][1]:.2f})" if k in base and base[k][1] > 0 else ""
-        cells.append(f"{us:.1f}{ratio}{'' if ok == 'PASS' else ' FAIL'}")
-    print(f"| {k[0]} | {k[1]} | " + " | ".join(cells) + " |")
-EOF
+python3 "$repo/benchmarks/ab_kernels_table.py" "$out" "${names[@]}"
 echo "ab: status $status, $(( $(date +%s) - start )) s"
 (cd "$out" && tar czf logs.tgz --remove-files ./*.log 2>/dev/null)
 exit $status
