@@ -144,13 +144,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     }
   }
 
-  // convert_batched's bit path whatever the scales (hopper/config.h: JSMLA_HOPPER_WARM_CONVERSION's dry run).
-  template <int kBatch, class Store>
-  static JSMLA_DEVICE void convert_batched_bit_path(const uint8_t* staged_row, const uint8_t* scale_slot, int sub,
-                                                    Store&& store) {
-    convert_staged<kBatch, true>(staged_row, scale_slot, sub, store);
-  }
-
   // convert_batched in two steps, for a thread that refills its staging row before it converts:
   // load_staged copies all of the thread's staged units of a row into registers, convert_loaded
   // converts them (the scale slot is read then, so it must still hold the row's record).

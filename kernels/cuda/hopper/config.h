@@ -29,13 +29,6 @@
 #define JSMLA_LANE_SLICE_ROPE_SPLIT 1
 #endif
 
-// Compile-time knob for A/B timing: 1 makes the 64-head tile's producer run its conversion once on
-// unwritten shared memory while the first gathers are in flight (formats without arbitrary scales or
-// lane slices), so that the first tile's conversion finds its code cached; 0 (the default): no dry run.
-#ifndef JSMLA_HOPPER_WARM_CONVERSION
-#define JSMLA_HOPPER_WARM_CONVERSION 0
-#endif
-
 namespace jsmla::cuda::hopper {
 
 // Shared memory per block on sm_90 (opt-in maximum).

@@ -192,22 +192,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
       clock.mark(0);  // tiles 0 and 1: indices read, copies issued
       PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
-#if JSMLA_HOPPER_WARM_CONVERSION
-      if constexpr (!Cfg::kExactScales && kSlices == 1) {
-        // The dry run: the bit path (which power-of-two and UE8M0 rows take) on tile buffer 1's unwritten
-        // bytes into this thread's places of tile buffer 0, which tile 0's conversion overwrites before
-        // full[0] is arrived at. Its values are never read.
-        static_assert(Cfg::kStageBytes + Cfg::kProducerThreads * Loader::kScaleSlotBytes <= Cfg::kTileBytes,
-                      "the dry run's rows and scale slots fit in tile buffer 1");
-        uint8_t* const dry_tile = tile_buffer(0);
-        auto dry_store = [&](int dim, uint4 values) {
-          *reinterpret_cast<uint4*>(dry_tile + swizzled_offset(load_row, dim, kN)) = values;
-        };
-        Loader::template convert_batched_bit_path<Cfg::kConvertBatch>(
-            tile_buffer(1) + load_row * Cfg::kStagePitch,
-            tile_buffer(1) + Cfg::kStageBytes + threadIdx.x * Loader::kScaleSlotBytes, load_sub, dry_store);
-      }
-#endif
       for (int i = 0; i < tiles.count; ++i) {
         const int b = i & 1;
         cp_async_wait_pending<1>();
