@@ -24,6 +24,9 @@
 //   below. Every 16-head plan runs on both families' tiles.
 // JSMLA_CHECK_SERIAL_COMBINE=1 launches every combine after its split kernel completes (no programmatic
 // dependent launch), e.g. to tell a sanitizer report about the dependent launch from one about the kernel.
+// JSMLA_CHECK_COLD_L2=1 times every call alone, after a write of four times the L2's size that evicts
+// the kernels' code and rows from it (outside the timed span), as in a model's step where other kernels
+// run between two attention calls; by default calls run back to back, their code and rows left in L2.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -581,14 +584,35 @@ void run_case(DeviceProblem& d, const Plan& plan, const std::vector<int64_t>& to
     CHECK_CUDA(cudaEventCreate(&stop));
     for (int w = 0; w < 3; ++w) launch(d, plan, w % d.pr.index_sets, nullptr);
     std::vector<float> times;
-    for (int r = 0; r < reps; ++r) {
-      CHECK_CUDA(cudaEventRecord(start));
-      for (int c = 0; c < kCallsPerBatch; ++c) launch(d, plan, c % d.pr.index_sets, nullptr);
-      CHECK_CUDA(cudaEventRecord(stop));
-      CHECK_CUDA(cudaEventSynchronize(stop));
-      float ms = 0;
-      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-      times.push_back(ms * 1000.0f / kCallsPerBatch);
+    if (std::getenv("JSMLA_CHECK_COLD_L2") != nullptr) {
+      static void* flush = nullptr;
+      static size_t flush_bytes = 0;
+      if (flush == nullptr) {
+        int l2_bytes = 0;
+        CHECK_CUDA(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, 0));
+        flush_bytes = 4 * static_cast<size_t>(l2_bytes);
+        CHECK_CUDA(cudaMalloc(&flush, flush_bytes));
+      }
+      for (int r = 0; r < reps * kCallsPerBatch; ++r) {
+        CHECK_CUDA(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
+        CHECK_CUDA(cudaEventRecord(start));
+        launch(d, plan, r % d.pr.index_sets, nullptr);
+        CHECK_CUDA(cudaEventRecord(stop));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        times.push_back(ms * 1000.0f);
+      }
+    } else {
+      for (int r = 0; r < reps; ++r) {
+        CHECK_CUDA(cudaEventRecord(start));
+        for (int c = 0; c < kCallsPerBatch; ++c) launch(d, plan, c % d.pr.index_sets, nullptr);
+        CHECK_CUDA(cudaEventRecord(stop));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        times.push_back(ms * 1000.0f / kCallsPerBatch);
+      }
     }
     std::sort(times.begin(), times.end());
     row.micros = times[times.size() / 2];
