@@ -42,8 +42,14 @@ struct PhaseClock {
 #pragma unroll
     for (int i = 0; i < kMarks; ++i) at[i] = -1;
   }
+  // The clock is read behind a shared-memory load: after a barrier (BAR.SYNC.DEFER_BLOCKING) a warp may
+  // issue integer instructions, a clock read among them, before the barrier completes, and a memory
+  // access is where it waits (a mark right behind a barrier was seen to precede the other side's arrival).
   JSMLA_DEVICE void mark(int id) {
-    if (active && id >= 0 && id < kMarks) at[id] = now_cycles() - start;
+    if (active && id >= 0 && id < kMarks) {
+      asm volatile("{\n .reg .u32 t;\n ld.volatile.shared.u32 t, [%0];\n}\n" ::"r"(0u) : "memory");
+      at[id] = now_cycles() - start;
+    }
   }
   // Role `role` (< kRoles) of block blockIdx.x stores its record.
   JSMLA_DEVICE void store(const SplitKvParams& p, int role) const {
