@@ -584,8 +584,18 @@ void run_case(DeviceProblem& d, const Plan& plan, const std::vector<int64_t>& to
     CHECK_CUDA(cudaEventCreate(&stop));
     for (int w = 0; w < 3; ++w) launch(d, plan, w % d.pr.index_sets, nullptr);
     std::vector<float> times;
+    // µs a call of `calls` (count calls, launched between two events).
+    auto time_calls = [&](int count, auto&& calls) {
+      CHECK_CUDA(cudaEventRecord(start));
+      calls();
+      CHECK_CUDA(cudaEventRecord(stop));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      return ms * 1000.0f / count;
+    };
     if (std::getenv("JSMLA_CHECK_COLD_L2") != nullptr) {
-      static void* flush = nullptr;
+      static void* flush = nullptr;  // kept for the process's later cases
       static size_t flush_bytes = 0;
       if (flush == nullptr) {
         int l2_bytes = 0;
@@ -595,23 +605,13 @@ void run_case(DeviceProblem& d, const Plan& plan, const std::vector<int64_t>& to
       }
       for (int r = 0; r < reps * kCallsPerBatch; ++r) {
         CHECK_CUDA(cudaMemsetAsync(flush, r & 0xff, flush_bytes));
-        CHECK_CUDA(cudaEventRecord(start));
-        launch(d, plan, r % d.pr.index_sets, nullptr);
-        CHECK_CUDA(cudaEventRecord(stop));
-        CHECK_CUDA(cudaEventSynchronize(stop));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-        times.push_back(ms * 1000.0f);
+        times.push_back(time_calls(1, [&] { launch(d, plan, r % d.pr.index_sets, nullptr); }));
       }
     } else {
       for (int r = 0; r < reps; ++r) {
-        CHECK_CUDA(cudaEventRecord(start));
-        for (int c = 0; c < kCallsPerBatch; ++c) launch(d, plan, c % d.pr.index_sets, nullptr);
-        CHECK_CUDA(cudaEventRecord(stop));
-        CHECK_CUDA(cudaEventSynchronize(stop));
-        float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-        times.push_back(ms * 1000.0f / kCallsPerBatch);
+        times.push_back(time_calls(kCallsPerBatch, [&] {
+          for (int c = 0; c < kCallsPerBatch; ++c) launch(d, plan, c % d.pr.index_sets, nullptr);
+        }));
       }
     }
     std::sort(times.begin(), times.end());
