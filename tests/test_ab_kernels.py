@@ -9,11 +9,14 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "ab_kernels.sh"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import ab_kernels_table  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -52,10 +55,6 @@ def test_modes_run_in_order_with_their_arguments(tmp_path):
 
 
 # benchmarks/ab_kernels_table.py: the rows of both kinds of timed line the check prints, side by side.
-import sys  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import ab_kernels_table  # noqa: E402
 
 HEADLINE = "{:<30s} {:<30s} {:<5s} {:10.1f} us {:7.1f} TFLOP/s\n"  # print_timed_rows' format
 PROFILE_SMALL = ("{:<34s} {:<30s} {} max_abs=8.07e-04 (ref 0.28) relL2=2.27e-03 lse=8.39e-07 det=1 bad=0  "
