@@ -8,6 +8,19 @@
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/launch_params.h"
 
+// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 issues the first tiles' index loads of the
+// staged Hopper producers beside the valid-token count and the row lengths (EarlyIndex below), so that
+// a block's first gathers wait for one round trip of loads; 0 (the default) reads them once the
+// valid-token check and the lengths have returned (two or three dependent round trips).
+#ifndef JSMLA_EARLY_INDEX
+#define JSMLA_EARLY_INDEX 0
+#endif
+// Compile-time knob for A/B timing: 1 computes a block's (token, head tile, split) with 32-bit divisions
+// (BlockCoordinates), 0 (the default) with 64-bit ones, which every block runs before its first load.
+#ifndef JSMLA_BLOCK_COORDINATES_32
+#define JSMLA_BLOCK_COORDINATES_32 0
+#endif
+
 namespace jsmla::cuda {
 
 // The candidate positions one block visits: split ∩ ([0, main_len) ∪ [main_topk, main_topk + extra_len)),
@@ -85,9 +98,21 @@ struct BlockCoordinates {
   JSMLA_DEVICE explicit BlockCoordinates(const SplitKvParams& p) : BlockCoordinates(p, blockIdx.x) {}
   // Of the block's cluster `block` (the lane-sliced Hopper tile: the blocks of a cluster share them).
   JSMLA_DEVICE BlockCoordinates(const SplitKvParams& p, int64_t block) {
+#if JSMLA_BLOCK_COORDINATES_32
+    // A block index is below 2^31 (the grid's x dimension), so 32-bit unsigned divisions give the same
+    // values as the 64-bit ones, in a few instructions each rather than a 64-bit division routine.
+    const uint32_t index = static_cast<uint32_t>(block);
+    const uint32_t splits = static_cast<uint32_t>(p.num_splits);
+    const uint32_t head_tiles = static_cast<uint32_t>(p.num_head_tiles);
+    const uint32_t split_major = index / splits;
+    split = static_cast<int>(index - split_major * splits);
+    head_tile = static_cast<int>(split_major % head_tiles);
+    token = static_cast<int64_t>(split_major / head_tiles);
+#else
     split = static_cast<int>(block % p.num_splits);
     head_tile = static_cast<int>((block / p.num_splits) % p.num_head_tiles);
     token = block / p.num_splits / p.num_head_tiles;
+#endif
   }
 };
 
@@ -99,6 +124,42 @@ JSMLA_DEVICE CandidateTiles<kCandidateTile> split_tiles(const SplitKvParams& p, 
   const int64_t split_begin = static_cast<int64_t>(block.split) * p.split_size;
   const int64_t split_end = min(split_begin + p.split_size, total_positions);
   return CandidateTiles<kCandidateTile>(p.attn, block.token, min(split_begin, split_end), split_end);
+}
+
+// A row's index read before the block knows its tiles: at the position tile `tile_index` of the block's
+// split holds row `row` when the row's main-list length reaches it. The indices array holds every
+// position below main.topk of every token, so the read is in bounds whatever the lengths and the
+// valid-token count turn out to be; its value is used only where pending_row_from confirms the position.
+struct EarlyIndex {
+  int32_t position = -1;  // -1: nothing read (the position is past the main list)
+  int32_t index = -1;
+};
+
+template <int kCandidateTile>
+JSMLA_DEVICE EarlyIndex read_early_index(const SplitKvParams& p, const BlockCoordinates& block, int tile_index, int row) {
+  EarlyIndex early;
+  const int64_t position =
+      static_cast<int64_t>(block.split) * p.split_size + static_cast<int64_t>(tile_index) * kCandidateTile + row;
+  if (position < p.attn.main.topk) {
+    early.position = static_cast<int32_t>(position);
+    early.index = load_global_nc(p.attn.main.indices + block.token * p.attn.main.topk + position);
+  }
+  return early;
+}
+
+// read_pending_row, taking the early read's index where the tile holds the row at the position it was
+// read for (a tile of the main list: positions split_begin + tile_index * kCandidateTile + row), and
+// reading the index now otherwise.
+template <bool kDualCache, int kCandidateTile>
+JSMLA_DEVICE PendingRow pending_row_from(const AttentionParams& a, const CandidateTiles<kCandidateTile>& tiles,
+                                         int64_t token, int tile_index, int row, const EarlyIndex& early) {
+  if (tile_index < tiles.first_count && early.position >= 0 && early.position == tiles.begin(tile_index) + row) {
+    PendingRow pending;
+    pending.in_range = early.position < tiles.end(tile_index);
+    if (pending.in_range) pending.index = early.index;
+    return pending;
+  }
+  return read_pending_row<kDualCache>(a, tiles, token, tile_index, row);
 }
 
 // A padding row (token >= valid_tokens): decode leaves it to the combine kernel; prefill writes the
