@@ -8,19 +8,6 @@
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/launch_params.h"
 
-// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 issues the first tiles' index loads of the
-// staged Hopper producers beside the valid-token count and the row lengths (EarlyIndex below), so that
-// a block's first gathers wait for one round trip of loads; 0 (the default) reads them once the
-// valid-token check and the lengths have returned (two or three dependent round trips).
-#ifndef JSMLA_EARLY_INDEX
-#define JSMLA_EARLY_INDEX 0
-#endif
-// Compile-time knob for A/B timing: 1 computes a block's (token, head tile, split) with 32-bit divisions
-// (BlockCoordinates), 0 (the default) with 64-bit ones, which every block runs before its first load.
-#ifndef JSMLA_BLOCK_COORDINATES_32
-#define JSMLA_BLOCK_COORDINATES_32 0
-#endif
-
 namespace jsmla::cuda {
 
 // The candidate positions one block visits: split ∩ ([0, main_len) ∪ [main_topk, main_topk + extra_len)),
@@ -98,7 +85,6 @@ struct BlockCoordinates {
   JSMLA_DEVICE explicit BlockCoordinates(const SplitKvParams& p) : BlockCoordinates(p, blockIdx.x) {}
   // Of the block's cluster `block` (the lane-sliced Hopper tile: the blocks of a cluster share them).
   JSMLA_DEVICE BlockCoordinates(const SplitKvParams& p, int64_t block) {
-#if JSMLA_BLOCK_COORDINATES_32
     // A block index is below 2^31 (the grid's x dimension), so 32-bit unsigned divisions give the same
     // values as the 64-bit ones, in a few instructions each rather than a 64-bit division routine.
     const uint32_t index = static_cast<uint32_t>(block);
@@ -108,11 +94,6 @@ struct BlockCoordinates {
     split = static_cast<int>(index - split_major * splits);
     head_tile = static_cast<int>(split_major % head_tiles);
     token = static_cast<int64_t>(split_major / head_tiles);
-#else
-    split = static_cast<int>(block % p.num_splits);
-    head_tile = static_cast<int>((block / p.num_splits) % p.num_head_tiles);
-    token = block / p.num_splits / p.num_head_tiles;
-#endif
   }
 };
 

@@ -57,7 +57,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int head_begin = coordinates.head_tile * kH;
   const int num_heads = a.num_heads;
 
-#if JSMLA_EARLY_INDEX
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);  // loaded first
   // The producer's first two tiles' indices, read beside the valid-token count and the lengths
   // (candidate_tiles.cuh: EarlyIndex).
@@ -69,16 +68,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
   if (token >= valid_count) {
-#else
-  if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
-#endif
     write_padding_rows<Cfg::kDv>(p, token, head_begin, kH, threadIdx.x, Cfg::kThreads);
     return;
   }
-
-#if !JSMLA_EARLY_INDEX
-  const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
-#endif
 
   if (threadIdx.x < Cfg::kProducerThreads) {
     // ------------------------------------------------------------------ producer warpgroups
@@ -100,15 +92,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       cp_async_commit();
       return valid;
     };
-#if JSMLA_EARLY_INDEX
     bool valid = issue_row(pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 0, tile_row, early[0]), 0);
     clock.mark(0);  // tile 0's indices read, its copies issued
     PendingRow pending = pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 1, tile_row, early[1]);
-#else
-    bool valid = issue_row(read_row(0), 0);
-    clock.mark(0);  // tile 0's indices read, its copies issued
-    PendingRow pending = read_row(1);
-#endif
     for (int i = 0; i < tiles.count; ++i) {
       const int b = i & (Cfg::kStages - 1);
       cp_async_wait_all();  // this thread's copies of tile i have landed (only this thread reads them)

@@ -75,7 +75,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int head_begin = coordinates.head_tile * Cfg::kHeadTile;
   const int num_heads = a.num_heads;
 
-#if JSMLA_EARLY_INDEX
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);  // loaded first
   // The staged producer's first two tiles' indices, read beside the valid-token count and the lengths
   // (candidate_tiles.cuh: EarlyIndex).
@@ -86,16 +85,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   }
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
   if (token >= valid_count) {
-#else
-  if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
-#endif
     if (slice == 0) write_padding_rows<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
     return;
   }
 
-#if !JSMLA_EARLY_INDEX
-  const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
-#endif
   // Lane slices: the score-exchange buffers [tile parity] (the other block stores its partial scores
   // into this block's, counted on this block's transaction barrier of that parity), initialised before
   // either block of the cluster goes on.
@@ -203,14 +196,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         }
       }
       // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
-#if JSMLA_EARLY_INDEX
       uint32_t staged_valid =
           issue_row(pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 0, load_row, early[0]), 0) ? 1u : 0u;
       staged_valid |= issue_row(pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 1, load_row, early[1]), 1) ? 2u : 0u;
-#else
-      uint32_t staged_valid = issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 0, load_row), 0) ? 1u : 0u;
-      staged_valid |= issue_row(read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 1, load_row), 1) ? 2u : 0u;
-#endif
       clock.mark(0);  // tiles 0 and 1: indices read, copies issued
       PendingRow pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, 2, load_row);
       for (int i = 0; i < tiles.count; ++i) {
