@@ -33,6 +33,10 @@ MARK_NAMES = {
     + [f"tile {i // 2} {'P ready' if i % 2 == 0 else 'P·V done'}" for i in range(12)]
     + ["last P·V done", "final max and sum", "stores issued"],
 }
+# The last mark of every role (PhaseClock::mark_start): the block's valid-token count and lengths arrived.
+START_MARK = "count and lengths arrived"
+for _names in MARK_NAMES.values():
+    _names.append(START_MARK)
 
 
 def parse(stream):
@@ -91,7 +95,7 @@ def table(launches, ghz):
         out.append(f"## {kernel}: {blocks} blocks; block starts {starts[0]}..{starts[-1]} ns after the first, "
                    f"ends {ends[0]}..{ends[-1]} ns (median {statistics.median(ends):.0f})")
         for role, rs in roles.items():
-            names = MARK_NAMES.get((kernel, role), [f"mark {i}" for i in range(16)])
+            names = MARK_NAMES.get((kernel, role), [f"mark {i}" for i in range(16)] + [START_MARK])
             out.append(f"\n{role} ({len(rs)} blocks): cycles from the block's start (µs at {ghz} GHz)\n")
             out.append("| mark | median cycles | max cycles | median µs | max µs |")
             out.append("|---|---|---|---|---|")

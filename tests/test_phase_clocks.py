@@ -15,7 +15,7 @@ import phase_clocks  # noqa: E402
 
 
 def _line(role, block, start, end, marks):
-    marks = list(marks) + [-1] * (16 - len(marks))
+    marks = list(marks) + [-1] * (17 - len(marks))
     return (f"PHASE h16 {role} block={block} split={block} head_tile=0 token=0 start_ns={start} end_ns={end} "
             f"c={','.join(str(m) for m in marks)}\n")
 
@@ -36,6 +36,13 @@ def test_last_launch_medians_and_maxima():
     assert "| 2: tile 0 converted | 3200 | 3400 | 1.60 | 1.70 |" in text
     assert "| 15: stores issued | 9000 | 9000 | 4.50 | 4.50 |" in text
     assert "tile 1 full" not in text  # marks no block reached are left out
+
+
+def test_start_mark_is_the_last():
+    marks = [100, 2000] + [-1] * 14 + [700]
+    launches = phase_clocks.parse(io.StringIO(_line("producer", 0, 0, 9000, marks)))
+    text = phase_clocks.table(launches, ghz=2.0)
+    assert "| 16: count and lengths arrived | 700 | 700 | 0.35 | 0.35 |" in text
 
 
 def test_roles_of_a_block_share_one_time_line():

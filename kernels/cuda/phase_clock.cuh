@@ -19,7 +19,8 @@
 namespace jsmla::cuda {
 
 struct PhaseClock {
-  static constexpr int kMarks = 16;            // marks a role records; later ones are dropped
+  static constexpr int kMarks = 17;            // marks a role records: 16 numbered ones (later ones are
+                                               // dropped) and the start mark (mark_start)
   static constexpr int kRecord = 3 + kMarks;   // start_ns, end_ns, start clock, the marks
   static constexpr int kRoles = 3;             // records a block stores (roles 0, 1, 2)
 #if JSMLA_PHASE_CLOCKS
@@ -46,10 +47,16 @@ struct PhaseClock {
   // issue integer instructions, a clock read among them, before the barrier completes, and a memory
   // access is where it waits (a mark right behind a barrier was seen to precede the other side's arrival).
   JSMLA_DEVICE void mark(int id) {
-    if (active && id >= 0 && id < kMarks) {
-      asm volatile("{\n .reg .u32 t;\n ld.volatile.shared.u32 t, [%0];\n}\n" ::"r"(0u) : "memory");
-      at[id] = now_cycles() - start;
-    }
+    if (active && id >= 0 && id < kMarks - 1) record_at(id);
+  }
+  // The last mark: the block's valid-token count and its row's lengths have arrived (called right
+  // after the branch on them, which waits for the loads).
+  JSMLA_DEVICE void mark_start() {
+    if (active) record_at(kMarks - 1);
+  }
+  JSMLA_DEVICE void record_at(int id) {
+    asm volatile("{\n .reg .u32 t;\n ld.volatile.shared.u32 t, [%0];\n}\n" ::"r"(0u) : "memory");
+    at[id] = now_cycles() - start;
   }
   // Role `role` (< kRoles) of block blockIdx.x stores its record.
   JSMLA_DEVICE void store(const SplitKvParams& p, int role) const {
@@ -64,6 +71,7 @@ struct PhaseClock {
 #else
   JSMLA_DEVICE explicit PhaseClock(bool) {}
   JSMLA_DEVICE void mark(int) {}
+  JSMLA_DEVICE void mark_start() {}
   JSMLA_DEVICE void store(const SplitKvParams&, int) const {}
 #endif
 };

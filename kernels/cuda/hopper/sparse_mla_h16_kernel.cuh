@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     write_padding_rows<Cfg::kDv>(p, token, head_begin, kH, threadIdx.x, Cfg::kThreads);
     return;
   }
+  clock.mark_start();  // the valid-token count and the lengths have arrived
 
   if (threadIdx.x < Cfg::kProducerThreads) {
     // ------------------------------------------------------------------ producer warpgroups

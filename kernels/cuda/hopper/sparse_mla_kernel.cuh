@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     if (slice == 0) write_padding_rows<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
     return;
   }
+  clock.mark_start();  // the valid-token count and the lengths have arrived
 
   // Lane slices: the score-exchange buffers [tile parity] (the other block stores its partial scores
   // into this block's, counted on this block's transaction barrier of that parity), initialised before
