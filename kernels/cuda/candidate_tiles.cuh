@@ -143,33 +143,6 @@ JSMLA_DEVICE PendingRow pending_row_from(const AttentionParams& a, const Candida
   return read_pending_row<kDualCache>(a, tiles, token, tile_index, row);
 }
 
-// A block's start: its valid-token count and its tiles (the row's lengths). kShared: one thread reads
-// them into `slot` (shared memory, sizeof(BlockStart) bytes) and the block meets at __syncthreads, so
-// that a launch asks L2 for those few words once a block instead of once a warp (every warp of every
-// block asks for the same valid-token word at the same moment); otherwise every thread reads them.
-template <int kCandidateTile>
-struct BlockStart {
-  int64_t valid_count;
-  CandidateTiles<kCandidateTile> tiles;
-};
-
-template <bool kShared, int kCandidateTile>
-JSMLA_DEVICE BlockStart<kCandidateTile> read_block_start(const SplitKvParams& p, const BlockCoordinates& block,
-                                                          uint8_t* slot) {
-  if constexpr (kShared) {
-    auto* const shared = reinterpret_cast<BlockStart<kCandidateTile>*>(slot);
-    if (threadIdx.x == 0) {
-      *shared = BlockStart<kCandidateTile>{valid_token_count(p.attn.valid_tokens, p.attn.num_tokens),
-                                           split_tiles<kCandidateTile>(p, block)};
-    }
-    __syncthreads();
-    return *shared;
-  } else {
-    return BlockStart<kCandidateTile>{valid_token_count(p.attn.valid_tokens, p.attn.num_tokens),
-                                      split_tiles<kCandidateTile>(p, block)};
-  }
-}
-
 // A padding row (token >= valid_tokens): decode leaves it to the combine kernel; prefill writes the
 // empty state (zero output, lse = -inf) for the block's heads. All threads of the block call it.
 template <int kDv>

@@ -148,7 +148,7 @@ struct HopperConfig {
   static constexpr bool fits(int pitch) {
     return kQBytes + kStages * kTileBytes + kPBuffers * kPVariants * kPBytes + 2 * kCandidateTile * pitch +
                2 * kScaleSlotsBytes + kStages * kBiasBytes + kPBuffers * kRescaleBytes + kFinalBytes +
-               2 * kFactorBytes + 2 * kExchangeBytes + kExchangeBarrierBytes + (JSMLA_BLOCK_START_ONCE ? 32 : 0) + 1024 <=
+               2 * kFactorBytes + 2 * kExchangeBytes + kExchangeBarrierBytes + 1024 <=
            kMaxSharedBytes;
   }
   static constexpr int kStagePitch = kDirectTiles ? 0 : fits(kPaddedPitch) ? kPaddedPitch : Geometry::kStagedRowBytes;
@@ -165,9 +165,7 @@ struct HopperConfig {
   static constexpr int kFactorOffset = kFinalOffset + kFinalBytes;
   static constexpr int kExchangeOffset = kFactorOffset + 2 * kFactorBytes;
   static constexpr int kExchangeBarrierOffset = kExchangeOffset + 2 * kExchangeBytes;
-  static constexpr int kStartOffset = kExchangeBarrierOffset + kExchangeBarrierBytes;
-  static constexpr int kStartBytes = JSMLA_BLOCK_START_ONCE ? 32 : 0;  // read_block_start's slot
-  static constexpr int kUsedBytes = kStartOffset + kStartBytes;
+  static constexpr int kUsedBytes = kExchangeBarrierOffset + kExchangeBarrierBytes;
   static constexpr int kSharedBytes = kUsedBytes + 1024;  // slack to align the base to 1024 bytes
 
   // Named barriers (0 is __syncthreads).

@@ -22,13 +22,6 @@
 #include "kernels/common/formats.h"
 #include "kernels/cuda/loader_geometry.h"
 
-// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 has one thread of each Hopper block read the
-// valid-token count and the row's lengths into shared memory (candidate_tiles.cuh: read_block_start),
-// 0 (the default) every thread.
-#ifndef JSMLA_BLOCK_START_ONCE
-#define JSMLA_BLOCK_START_ONCE 0
-#endif
-
 namespace jsmla::cuda::hopper {
 
 // Formats the 16-head tile serves: 512/576-wide FP8 or FP4 rows with power-of-two, E4M3 or UE8M0
@@ -86,8 +79,7 @@ struct HopperH16Config {
   static constexpr int kPaddedPitch = (Geometry::kStagedRowBytes + 64 + 127) / 128 * 128 - 64;
   static constexpr bool fits(int pitch) {
     return kQBytes + kStages * kTileBytes + kStages * kPBytes + kProducerGroups * kRoundRows * pitch +
-               kStages * kScaleSlotsBytes + kStages * kBiasBytes + kExchangeBytes + (JSMLA_BLOCK_START_ONCE ? 32 : 0) +
-               1024 <=
+               kStages * kScaleSlotsBytes + kStages * kBiasBytes + kExchangeBytes + 1024 <=
            227 * 1024;
   }
   static constexpr int kStagePitch = fits(kPaddedPitch) ? kPaddedPitch : Geometry::kStagedRowBytes;
@@ -103,9 +95,7 @@ struct HopperH16Config {
   static constexpr int kScaleSlotsOffset = kStageOffset + kProducerGroups * kStageBytes;
   static constexpr int kBiasOffset = kScaleSlotsOffset + kStages * kScaleSlotsBytes;
   static constexpr int kExchangeOffset = kBiasOffset + kStages * kBiasBytes;
-  static constexpr int kStartOffset = kExchangeOffset + kExchangeBytes;
-  static constexpr int kStartBytes = JSMLA_BLOCK_START_ONCE ? 32 : 0;  // read_block_start's slot
-  static constexpr int kUsedBytes = kStartOffset + kStartBytes;
+  static constexpr int kUsedBytes = kExchangeOffset + kExchangeBytes;
   static constexpr int kSharedBytes = kUsedBytes + 1024;  // slack to align the base to 1024 bytes
 
   // Named barriers (0 is __syncthreads).

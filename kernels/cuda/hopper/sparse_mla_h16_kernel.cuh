@@ -57,9 +57,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int head_begin = coordinates.head_tile * kH;
   const int num_heads = a.num_heads;
 
-#if !JSMLA_BLOCK_START_ONCE
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);  // loaded first
-#endif
   // The producer's first two tiles' indices, read beside the valid-token count and the lengths
   // (candidate_tiles.cuh: EarlyIndex).
   EarlyIndex early[2];
@@ -68,15 +66,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     early[0] = read_early_index<kN>(p, coordinates, 0, early_row);
     early[1] = read_early_index<kN>(p, coordinates, 1, early_row);
   }
-#if JSMLA_BLOCK_START_ONCE
-  static_assert(sizeof(BlockStart<kN>) <= Cfg::kStartBytes && Cfg::kStartOffset % alignof(BlockStart<kN>) == 0,
-                "the block-start slot holds one aligned BlockStart");
-  const BlockStart<kN> start = read_block_start<true, kN>(p, coordinates, smem + Cfg::kStartOffset);
-  const int64_t valid_count = start.valid_count;
-  const CandidateTiles<kN> tiles = start.tiles;
-#else
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
-#endif
   if (token >= valid_count) {
     write_padding_rows<Cfg::kDv>(p, token, head_begin, kH, threadIdx.x, Cfg::kThreads);
     return;

@@ -75,9 +75,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int head_begin = coordinates.head_tile * Cfg::kHeadTile;
   const int num_heads = a.num_heads;
 
-#if !JSMLA_BLOCK_START_ONCE
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);  // loaded first
-#endif
   // The staged producer's first two tiles' indices, read beside the valid-token count and the lengths
   // (candidate_tiles.cuh: EarlyIndex).
   EarlyIndex early[2];
@@ -85,15 +83,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     early[0] = read_early_index<kN>(p, coordinates, 0, threadIdx.x / Loader::kThreadsPerRow);
     early[1] = read_early_index<kN>(p, coordinates, 1, threadIdx.x / Loader::kThreadsPerRow);
   }
-#if JSMLA_BLOCK_START_ONCE
-  static_assert(sizeof(BlockStart<kN>) <= Cfg::kStartBytes && Cfg::kStartOffset % alignof(BlockStart<kN>) == 0,
-                "the block-start slot holds one aligned BlockStart");
-  const BlockStart<kN> start = read_block_start<true, kN>(p, coordinates, smem + Cfg::kStartOffset);
-  const int64_t valid_count = start.valid_count;
-  const CandidateTiles<kN> tiles = start.tiles;
-#else
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
-#endif
   if (token >= valid_count) {
     if (slice == 0) write_padding_rows<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
     return;
