@@ -49,6 +49,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // JSMLA_PHASE_CLOCKS (phase_clock.cuh): the marks of producer thread 0 (role 0) and consumer thread 0
   // (role 1), from here.
   PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads);
+#if JSMLA_TOUCH_PARAMS
+  touch_params(p);
+#endif
   // The split merge queued after a decode launch may start its blocks now.
   allow_dependent_launch();
   const AttentionParams& a = p.attn;

@@ -62,6 +62,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // (role 1) and warpgroup 2 (role 2), from here; the producer's tiles for staged rows only.
   PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads ||
                    threadIdx.x == Cfg::kProducerThreads + Cfg::kScorerThreads);
+#if JSMLA_TOUCH_PARAMS
+  touch_params(p);
+#endif
   // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
   // results before reading them).
   allow_dependent_launch();
