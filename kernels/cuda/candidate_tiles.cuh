@@ -8,6 +8,14 @@
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/launch_params.h"
 
+// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 reads the first two tiles' indices early
+// (EarlyIndex below) in the portable family's loaders and the Hopper producer of BF16 rows too, as the
+// staged Hopper producers do; 0 (the default) reads them there once the valid-token count and the
+// lengths have returned.
+#ifndef JSMLA_EARLY_INDEX_ALL
+#define JSMLA_EARLY_INDEX_ALL 0
+#endif
+
 namespace jsmla::cuda {
 
 // The candidate positions one block visits: split ∩ ([0, main_len) ∪ [main_topk, main_topk + extra_len)),

@@ -81,6 +81,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);  // loaded first
   // The staged producer's first two tiles' indices, read beside the valid-token count and the lengths
   // (candidate_tiles.cuh: EarlyIndex).
+#if JSMLA_EARLY_INDEX_ALL
+  EarlyIndex early_rounds[2][Cfg::kRounds];  // BF16 rows: each tile's rounds
+  if (Cfg::kDirectTiles && threadIdx.x < Cfg::kProducerThreads) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int r = 0; r < Cfg::kRounds; ++r) {
+        early_rounds[t][r] =
+            read_early_index<kN>(p, coordinates, t, r * Cfg::kRoundRows + threadIdx.x / Loader::kThreadsPerRow);
+      }
+    }
+  }
+#endif
   EarlyIndex early[2];
   if (!Cfg::kDirectTiles && threadIdx.x < Cfg::kProducerThreads) {
     early[0] = read_early_index<kN>(p, coordinates, 0, threadIdx.x / Loader::kThreadsPerRow);
@@ -163,7 +176,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       Rows pending;
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
+#if JSMLA_EARLY_INDEX_ALL
+        static_assert(kStages == 2, "the early indices cover the first two tiles");
+#pragma unroll
+        for (int r = 0; r < kRounds; ++r) {
+          pending[r] = pending_row_from<Loader::kF.dual_cache>(a, tiles, token, s, r * Cfg::kRoundRows + load_row,
+                                                               early_rounds[s][r]);
+        }
+#else
         read_rows(pending, s);
+#endif
         issue_direct(pending, s);
       }
       read_rows(pending, kStages);
