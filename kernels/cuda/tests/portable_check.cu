@@ -10,7 +10,7 @@
 //   nvcc -std=c++17 -O3 --expt-relaxed-constexpr -I. -gencode=arch=compute_90a,code=sm_90a \
 //        kernels/cuda/tests/portable_check.cu kernels/cpu/sparse_mla_cpu.cc <libjsmla_cuda.a> -o portable_check
 // Run: ./portable_check [--quick | --sanitize | --headline | --ablate | --h16 | --dots3 | --scales | --profile |
-//      --profile-small [h16|h64 [heads [tokens [splits [reps [lengths]]]]]] | --profile-bf16]
+//      --profile-small [h16|h64 [heads [tokens [splits [reps [flags...]]]]]] | --profile-bf16]
 //      (exit code 0 only when every check passes)
 //   --quick: correctness only; --sanitize: a few small cases, for compute-sanitizer memcheck/racecheck;
 //   --headline: the headline shapes on the Hopper family, checked and timed; --ablate: only the
@@ -843,26 +843,42 @@ int main(int argc, char** argv) {
   // --profile: the T=128 H=128 shape once per variant (for ncu: decode with one split, then prefill, on
   // the Hopper family when available, else the portable one). --headline: the headline shapes on the
   // Hopper family, each checked and timed (a quick performance comparison between builds).
-  // --profile-small [h16|h64 [heads [tokens [splits [reps [lengths]]]]]]: one small-batch decode, for ncu; by default
-  // T = 1 H = 128 with 32 splits of the 64-head tile, or (h16) the planner's pick, 16 splits of the
-  // 16-head tile. Built with JSMLA_PHASE_CLOCKS=1, it prints the Hopper tiles' phase records
+  // --profile-small [h16|h64 [heads [tokens [splits [reps [flags...]]]]]]: one small-batch decode, for ncu;
+  // by default T = 1 H = 128 with 32 splits of the 64-head tile, or (h16) the planner's pick, 16 splits
+  // of the 16-head tile. Flags: "lengths" (the call passes topk_length: token 0 of length topk, the others
+  // random), "portable" (the portable family even on an H100/H200), "bf16" (a bf16_576 cache instead of
+  // dsv3_2). Built with JSMLA_PHASE_CLOCKS=1, it prints the Hopper tiles' phase records
   // (benchmarks/phase_clocks.py).
   if (mode == "--profile-small") {
     const Fp8Table fp8;
-    HostCache cache = build_cache(format_traits(FormatId::kDsv32), 4096, 64, 656, 64 * 656, 1, fp8);
     const bool h16 = argc > 2 && std::string(argv[2]) == "h16";
     const int heads = argc > 3 ? std::atoi(argv[3]) : 128;
     const int64_t tokens = argc > 4 ? std::atoll(argv[4]) : 1;
     const int splits = argc > 5 ? std::atoi(argv[5]) : h16 ? 16 : 32;
     const int reps = argc > 6 ? std::atoi(argv[6]) : 0;  // > 0: also timed (median of reps batches)
-    // "lengths": the call passes topk_length (token 0 of length topk, the others random).
-    const bool lengths = argc > 7 && std::string(argv[7]) == "lengths";
-    Problem pr1{"dsv3_2 T=" + std::to_string(tokens) + " H=" + std::to_string(heads) + " k=2048" +
-                    (lengths ? " lengths" : ""),
-                FormatId::kDsv32, tokens, heads, 2048, 0, 0.0417f, lengths, false, -1, 0.0, 8};
+    bool lengths = false, portable = false, bf16 = false;
+    for (int i = 7; i < argc; ++i) {
+      const std::string flag = argv[i];
+      if (flag == "lengths") {
+        lengths = true;
+      } else if (flag == "portable") {
+        portable = true;
+      } else if (flag == "bf16") {
+        bf16 = true;
+      } else {
+        std::fprintf(stderr, "--profile-small: unknown flag %s (lengths, portable, bf16)\n", flag.c_str());
+        return 2;
+      }
+    }
+    const FormatId format = bf16 ? FormatId::kBf16_576 : FormatId::kDsv32;
+    HostCache cache = bf16 ? build_cache(format_traits(format), 4096, 64, 1152, 64 * 1152, 9, fp8)
+                           : build_cache(format_traits(format), 4096, 64, 656, 64 * 656, 1, fp8);
+    Problem pr1{std::string(bf16 ? "bf16_576" : "dsv3_2") + " T=" + std::to_string(tokens) + " H=" +
+                    std::to_string(heads) + " k=2048" + (lengths ? " lengths" : ""),
+                format, tokens, heads, 2048, 0, 0.0417f, lengths, false, -1, 0.0, 8};
     DeviceProblem d1 = make_problem(pr1, &cache, nullptr, 15);
     const Plan plan = decode_plan(h16 ? 16 : 64, 2048, splits);
-    run_case(d1, g_hopper_device ? on_hopper(plan) : plan, {0}, reps);
+    run_case(d1, g_hopper_device && !portable ? on_hopper(plan) : plan, {0}, reps);
 #if JSMLA_PHASE_CLOCKS
     // The last launch's records, in the lines benchmarks/phase_clocks.py reads.
     constexpr int kRecord = cuda::PhaseClock::kRecord;
