@@ -79,8 +79,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int num_heads = a.num_heads;
 
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);  // loaded first
-  // The staged producer's first two tiles' indices, read beside the valid-token count and the lengths
-  // (candidate_tiles.cuh: EarlyIndex).
 #if JSMLA_EARLY_INDEX_ALL
   EarlyIndex early_rounds[2][Cfg::kRounds];  // BF16 rows: each tile's rounds
   if (Cfg::kDirectTiles && threadIdx.x < Cfg::kProducerThreads) {
@@ -94,6 +92,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     }
   }
 #endif
+  // The staged producer's first two tiles' indices, read beside the valid-token count and the lengths
+  // (candidate_tiles.cuh: EarlyIndex).
   EarlyIndex early[2];
   if (!Cfg::kDirectTiles && threadIdx.x < Cfg::kProducerThreads) {
     early[0] = read_early_index<kN>(p, coordinates, 0, threadIdx.x / Loader::kThreadsPerRow);
