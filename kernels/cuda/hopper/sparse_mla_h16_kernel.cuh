@@ -71,7 +71,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
   if (token >= valid_count) {
+#if JSMLA_PADDING_OUT_OF_LINE
+    write_padding_rows_out_of_line<Cfg::kDv>(p, token, head_begin, kH);
+#else
     write_padding_rows<Cfg::kDv>(p, token, head_begin, kH, threadIdx.x, Cfg::kThreads);
+#endif
     return;
   }
   clock.mark_start();  // the valid-token count and the lengths have arrived

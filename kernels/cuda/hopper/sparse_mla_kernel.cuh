@@ -101,7 +101,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   }
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
   if (token >= valid_count) {
+#if JSMLA_PADDING_OUT_OF_LINE
+    if (slice == 0) write_padding_rows_out_of_line<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile);
+#else
     if (slice == 0) write_padding_rows<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
+#endif
     return;
   }
   clock.mark_start();  // the valid-token count and the lengths have arrived
