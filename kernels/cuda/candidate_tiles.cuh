@@ -15,7 +15,7 @@
 #ifndef JSMLA_EARLY_INDEX_ALL
 #define JSMLA_EARLY_INDEX_ALL 0
 #endif
-// Compile-time knob for A/B timing: 1 writes the Hopper kernels' padding rows in a function called out of
+// Compile-time knob for A/B timing: 1 writes the split kernels' padding rows in a function called out of
 // line (write_padding_rows_out_of_line), so that a valid block's path runs on from its validity check
 // instead of jumping over the inlined padding code (about 3.6 KB of instructions in the 16-head kernel);
 // 0 (the default) inlines it.

@@ -62,7 +62,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
 #else
   if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
 #endif
+#if JSMLA_PADDING_OUT_OF_LINE
+    write_padding_rows_out_of_line<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile);
+#else
     write_padding_rows<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
+#endif
     return;
   }
 #if !JSMLA_EARLY_INDEX_ALL
