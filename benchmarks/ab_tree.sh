@@ -6,6 +6,9 @@
 #   bash benchmarks/ab_tree.sh base main
 #   bash benchmarks/ab_tree.sh s192 uneven-consumers JSMLA_HOPPER_SCORER_COLUMNS=192
 #   bash benchmarks/ab_kernels.sh .ab/base .ab/s192          # then carry .ab to the GPU
+#   AB_CHECK_FROM=main bash benchmarks/ab_tree.sh pre e050020
+#       # an older revision's kernels with main's standalone check (kernels/cuda/tests/portable_check.cu),
+#       # so that every tree of a comparison takes the same modes and flags
 #
 # Every NAME must be defined exactly once under kernels/ in that revision (else it stops).
 set -euo pipefail
@@ -17,6 +20,11 @@ tree="$repo/.ab/$name"
 rm -rf "$tree"
 mkdir -p "$tree"
 git -C "$repo" archive "$revision" | tar x -C "$tree"
+if [ -n "${AB_CHECK_FROM:-}" ]; then
+  check=kernels/cuda/tests/portable_check.cu
+  git -C "$repo" show "$AB_CHECK_FROM:$check" > "$tree/$check"
+  echo "$name: $check from $AB_CHECK_FROM ($(git -C "$repo" rev-parse --short "$AB_CHECK_FROM"))"
+fi
 for setting in "$@"; do
   knob=${setting%%=*}
   value=${setting#*=}

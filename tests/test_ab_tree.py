@@ -3,6 +3,7 @@ defaults of compile-time knobs (`#define NAME value` lines under kernels/, each 
 and a clear failure for a knob that is not defined exactly once."""
 
 import collections
+import os
 import pathlib
 import re
 import shutil
@@ -64,3 +65,24 @@ def test_an_unknown_knob_fails_with_its_name(tree_name):
                           text=True, timeout=120)
     assert proc.returncode == 1
     assert "JSMLA_NO_SUCH_KNOB is not defined exactly once" in proc.stderr
+
+
+def test_check_from_overlays_the_standalone_check(tree_name):
+    check = "kernels/cuda/tests/portable_check.cu"
+    revisions = subprocess.run(["git", "-C", str(ROOT), "log", "-n", "2", "--format=%H", "--", check],
+                               capture_output=True, text=True, check=True).stdout.split()
+    if len(revisions) < 2:
+        pytest.skip("the checkout holds one revision of the standalone check")
+    older = revisions[1]
+    proc = subprocess.run(["bash", str(SCRIPT), tree_name, older], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "AB_CHECK_FROM": "HEAD"})
+    assert proc.returncode == 0, proc.stderr
+    head = subprocess.run(["git", "-C", str(ROOT), "show", f"HEAD:{check}"], capture_output=True, text=True,
+                          check=True).stdout
+    old_kernel = subprocess.run(["git", "-C", str(ROOT), "show", f"{older}:kernels/cuda/candidate_tiles.cuh"],
+                                capture_output=True, text=True)
+    tree = ROOT / ".ab" / tree_name
+    assert (tree / check).read_text() == head
+    if old_kernel.returncode == 0:  # the rest is the older revision's
+        assert (tree / "kernels/cuda/candidate_tiles.cuh").read_text() == old_kernel.stdout
+    assert f"{check} from HEAD" in proc.stdout
