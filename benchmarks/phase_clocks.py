@@ -33,10 +33,11 @@ MARK_NAMES = {
     + [f"tile {i // 2} {'P ready' if i % 2 == 0 else 'P·V done'}" for i in range(12)]
     + ["last P·V done", "final max and sum", "stores issued"],
 }
-# The last mark of every role (PhaseClock::mark_start): the block's valid-token count and lengths arrived.
-START_MARK = "count and lengths arrived"
+# The start marks after the 16 numbered ones (PhaseClock::StartMark): the block's valid-token count and
+# lengths arrived, its coordinates computed, its first index arrived (producers).
+START_MARKS = ["count and lengths arrived", "coordinates computed", "first index arrived"]
 for _names in MARK_NAMES.values():
-    _names.append(START_MARK)
+    _names.extend(START_MARKS)
 
 
 def parse(stream):
@@ -95,7 +96,7 @@ def table(launches, ghz):
         out.append(f"## {kernel}: {blocks} blocks; block starts {starts[0]}..{starts[-1]} ns after the first, "
                    f"ends {ends[0]}..{ends[-1]} ns (median {statistics.median(ends):.0f})")
         for role, rs in roles.items():
-            names = MARK_NAMES.get((kernel, role), [f"mark {i}" for i in range(16)] + [START_MARK])
+            names = MARK_NAMES.get((kernel, role), [f"mark {i}" for i in range(16)] + START_MARKS)
             out.append(f"\n{role} ({len(rs)} blocks): cycles from the block's start (µs at {ghz} GHz)\n")
             out.append("| mark | median cycles | max cycles | median µs | max µs |")
             out.append("|---|---|---|---|---|")

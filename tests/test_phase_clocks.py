@@ -15,7 +15,7 @@ import phase_clocks  # noqa: E402
 
 
 def _line(role, block, start, end, marks):
-    marks = list(marks) + [-1] * (17 - len(marks))
+    marks = list(marks) + [-1] * (19 - len(marks))
     return (f"PHASE h16 {role} block={block} split={block} head_tile=0 token=0 start_ns={start} end_ns={end} "
             f"c={','.join(str(m) for m in marks)}\n")
 
@@ -38,11 +38,13 @@ def test_last_launch_medians_and_maxima():
     assert "tile 1 full" not in text  # marks no block reached are left out
 
 
-def test_start_mark_is_the_last():
-    marks = [100, 2000] + [-1] * 14 + [700]
+def test_start_marks_follow_the_numbered_ones():
+    marks = [100, 2000] + [-1] * 14 + [700, 300, 650]
     launches = phase_clocks.parse(io.StringIO(_line("producer", 0, 0, 9000, marks)))
     text = phase_clocks.table(launches, ghz=2.0)
     assert "| 16: count and lengths arrived | 700 | 700 | 0.35 | 0.35 |" in text
+    assert "| 17: coordinates computed | 300 | 300 | 0.15 | 0.15 |" in text
+    assert "| 18: first index arrived | 650 | 650 | 0.33 | 0.33 |" in text
 
 
 def test_roles_of_a_block_share_one_time_line():

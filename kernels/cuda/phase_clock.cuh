@@ -19,8 +19,12 @@
 namespace jsmla::cuda {
 
 struct PhaseClock {
-  static constexpr int kMarks = 17;            // marks a role records: 16 numbered ones (later ones are
-                                               // dropped) and the start mark (mark_start)
+  static constexpr int kNumbered = 16;         // numbered marks a role records (later ones are dropped)
+  // The start marks, after the numbered ones: when a block's valid-token count and lengths have arrived
+  // (mark_start), when its coordinates are computed (marked behind the issue of the first loads, so as
+  // not to delay them) and when its first index has arrived (mark_after).
+  enum StartMark { kCountArrived = 0, kCoordinates = 1, kFirstIndex = 2, kStartMarks = 3 };
+  static constexpr int kMarks = kNumbered + kStartMarks;
   static constexpr int kRecord = 3 + kMarks;   // start_ns, end_ns, start clock, the marks
   static constexpr int kRoles = 3;             // records a block stores (roles 0, 1, 2)
 #if JSMLA_PHASE_CLOCKS
@@ -47,12 +51,18 @@ struct PhaseClock {
   // issue integer instructions, a clock read among them, before the barrier completes, and a memory
   // access is where it waits (a mark right behind a barrier was seen to precede the other side's arrival).
   JSMLA_DEVICE void mark(int id) {
-    if (active && id >= 0 && id < kMarks - 1) record_at(id);
+    if (active && id >= 0 && id < kNumbered) record_at(id);
   }
-  // The last mark: the block's valid-token count and its row's lengths have arrived (called right
-  // after the branch on them, which waits for the loads).
+  // The count-arrived start mark (called right after the branch on the count, which waits for its load).
   JSMLA_DEVICE void mark_start() {
-    if (active) record_at(kMarks - 1);
+    if (active) record_at(kNumbered + kCountArrived);
+  }
+  // Start mark `which`, once `dependency` has its value: a branch on it (whose other side sleeps for no
+  // time) makes the warp wait for the value before the clock is read.
+  JSMLA_DEVICE void mark_after(StartMark which, uint32_t dependency) {
+    if (!active) return;
+    if (dependency == 0x9e3779b9u) asm volatile("nanosleep.u32 0;");
+    record_at(kNumbered + which);
   }
   JSMLA_DEVICE void record_at(int id) {
     asm volatile("{\n .reg .u32 t;\n ld.volatile.shared.u32 t, [%0];\n}\n" ::"r"(0u) : "memory");
@@ -72,6 +82,7 @@ struct PhaseClock {
   JSMLA_DEVICE explicit PhaseClock(bool) {}
   JSMLA_DEVICE void mark(int) {}
   JSMLA_DEVICE void mark_start() {}
+  JSMLA_DEVICE void mark_after(StartMark, uint32_t) {}
   JSMLA_DEVICE void store(const SplitKvParams&, int) const {}
 #endif
 };

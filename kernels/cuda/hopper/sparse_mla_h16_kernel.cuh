@@ -70,6 +70,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     early[1] = read_early_index<kN>(p, coordinates, 1, early_row);
   }
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
+  // (Behind the first loads, which need the coordinates too, except the count's.)
+  clock.mark_after(PhaseClock::kCoordinates,
+                   static_cast<uint32_t>(coordinates.token) ^ coordinates.split ^ coordinates.head_tile);
   if (token >= valid_count) {
 #if JSMLA_PADDING_OUT_OF_LINE
     write_padding_rows_out_of_line<Cfg::kDv>(p, token, head_begin, kH);
@@ -100,6 +103,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       cp_async_commit();
       return valid;
     };
+    clock.mark_after(PhaseClock::kFirstIndex, static_cast<uint32_t>(early[0].index));
     bool valid = issue_row(pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 0, tile_row, early[0]), 0);
     clock.mark(0);  // tile 0's indices read, its copies issued
     PendingRow pending = pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 1, tile_row, early[1]);

@@ -100,6 +100,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     early[1] = read_early_index<kN>(p, coordinates, 1, threadIdx.x / Loader::kThreadsPerRow);
   }
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
+  // (Behind the first loads, which need the coordinates too, except the count's.)
+  clock.mark_after(PhaseClock::kCoordinates,
+                   static_cast<uint32_t>(coordinates.token) ^ coordinates.split ^ coordinates.head_tile);
   if (token >= valid_count) {
 #if JSMLA_PADDING_OUT_OF_LINE
     if (slice == 0) write_padding_rows_out_of_line<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile);
@@ -226,6 +229,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         }
       }
       // Bit b: the row staged in buffer b is valid (a bit mask, not an array: stays in a register).
+      clock.mark_after(PhaseClock::kFirstIndex, static_cast<uint32_t>(early[0].index));
       uint32_t staged_valid =
           issue_row(pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 0, load_row, early[0]), 0) ? 1u : 0u;
       staged_valid |= issue_row(pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 1, load_row, early[1]), 1) ? 2u : 0u;
