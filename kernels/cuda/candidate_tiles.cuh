@@ -143,6 +143,14 @@ JSMLA_DEVICE EarlyIndex read_early_index(const SplitKvParams& p, const BlockCoor
   return early;
 }
 
+// The early reads of loader row `row` of the first two tiles (the tiles the producers gather first).
+template <int kCandidateTile>
+JSMLA_DEVICE void read_first_indices(const SplitKvParams& p, const BlockCoordinates& block, int row,
+                                     EarlyIndex (&early)[2]) {
+  early[0] = read_early_index<kCandidateTile>(p, block, 0, row);
+  early[1] = read_early_index<kCandidateTile>(p, block, 1, row);
+}
+
 // read_pending_row, taking the early read's index where the tile holds the row at the position it was
 // read for (a tile of the main list: positions split_begin + tile_index * kCandidateTile + row), and
 // reading the index now otherwise.

@@ -65,9 +65,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // (candidate_tiles.cuh: EarlyIndex).
   EarlyIndex early[2];
   if (threadIdx.x < Cfg::kProducerThreads) {
-    const int early_row = threadIdx.x / 128 * Cfg::kRoundRows + (threadIdx.x % 128) / Loader::kThreadsPerRow;
-    early[0] = read_early_index<kN>(p, coordinates, 0, early_row);
-    early[1] = read_early_index<kN>(p, coordinates, 1, early_row);
+    read_first_indices<kN>(p, coordinates,
+                           threadIdx.x / 128 * Cfg::kRoundRows + (threadIdx.x % 128) / Loader::kThreadsPerRow, early);
   }
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
   // (Behind the first loads, which need the coordinates too, except the count's.)

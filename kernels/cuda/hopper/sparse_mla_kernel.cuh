@@ -80,15 +80,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);  // loaded first
 #if JSMLA_EARLY_INDEX_ALL
-  EarlyIndex early_rounds[2][Cfg::kRounds];  // BF16 rows: each tile's rounds
+  EarlyIndex early_rounds[Cfg::kRounds][2];  // BF16 rows: each round's rows of the first two tiles
   if (Cfg::kDirectTiles && threadIdx.x < Cfg::kProducerThreads) {
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-#pragma unroll
-      for (int r = 0; r < Cfg::kRounds; ++r) {
-        early_rounds[t][r] =
-            read_early_index<kN>(p, coordinates, t, r * Cfg::kRoundRows + threadIdx.x / Loader::kThreadsPerRow);
-      }
+    for (int r = 0; r < Cfg::kRounds; ++r) {
+      read_first_indices<kN>(p, coordinates, r * Cfg::kRoundRows + threadIdx.x / Loader::kThreadsPerRow,
+                             early_rounds[r]);
     }
   }
 #endif
@@ -96,8 +93,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // (candidate_tiles.cuh: EarlyIndex).
   EarlyIndex early[2];
   if (!Cfg::kDirectTiles && threadIdx.x < Cfg::kProducerThreads) {
-    early[0] = read_early_index<kN>(p, coordinates, 0, threadIdx.x / Loader::kThreadsPerRow);
-    early[1] = read_early_index<kN>(p, coordinates, 1, threadIdx.x / Loader::kThreadsPerRow);
+    read_first_indices<kN>(p, coordinates, threadIdx.x / Loader::kThreadsPerRow, early);
   }
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
   // (Behind the first loads, which need the coordinates too, except the count's.)
@@ -188,7 +184,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
 #pragma unroll
         for (int r = 0; r < kRounds; ++r) {
           pending[r] = pending_row_from<Loader::kF.dual_cache>(a, tiles, token, s, r * Cfg::kRoundRows + load_row,
-                                                               early_rounds[s][r]);
+                                                               early_rounds[r][s]);
         }
 #else
         read_rows(pending, s);

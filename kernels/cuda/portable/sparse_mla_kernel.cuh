@@ -55,8 +55,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   // (candidate_tiles.cuh: EarlyIndex).
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);
   EarlyIndex early[2];
-  early[0] = read_early_index<kN>(p, coordinates, 0, threadIdx.x / Loader::kThreadsPerRow);
-  early[1] = read_early_index<kN>(p, coordinates, 1, threadIdx.x / Loader::kThreadsPerRow);
+  read_first_indices<kN>(p, coordinates, threadIdx.x / Loader::kThreadsPerRow, early);
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
   if (token >= valid_count) {
 #else
