@@ -119,8 +119,8 @@ inline ffi::Error decode_operands(int32_t kv_format, int32_t extra_kv_format, fl
   if (!count_ok(attn_sink.element_count(), num_heads)) {
     return ffi::Error::InvalidArgument("attn_sink: expected [H] or empty");
   }
-  if (valid_tokens.element_count() != 1) {
-    return ffi::Error::InvalidArgument("valid_tokens: expected [1]");
+  if (valid_tokens.element_count() > 1) {
+    return ffi::Error::InvalidArgument("valid_tokens: expected [1] or empty");
   }
 
   AttentionParams& p = *params;
@@ -147,7 +147,9 @@ inline ffi::Error decode_operands(int32_t kv_format, int32_t extra_kv_format, fl
     }
   }
   p.attn_sink = attn_sink.element_count() ? attn_sink.typed_data() : nullptr;
-  p.valid_tokens = valid_tokens.typed_data();
+  // Empty: every row is valid, and the kernels read no count (one dependent load less before a block's
+  // first gather).
+  p.valid_tokens = valid_tokens.element_count() ? valid_tokens.typed_data() : nullptr;
   return ffi::Error::Success();
 }
 

@@ -161,7 +161,8 @@ def _geometry(prefix: str, layout: Optional[CacheLayout]) -> dict:
 
 def _operands(problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
               extra_topk_length, valid_tokens):
-    """The attention's operands as both targets take them: absent optional operands as empty arrays."""
+    """The attention's operands as both targets take them: absent optional operands as empty arrays (an
+    absent ``valid_tokens``: every row is valid, and the kernels read no count)."""
     empty_i32 = jnp.zeros((0,), jnp.int32)
     if extra_kv_cache is None:
         extra_kv_cache = jnp.zeros((0,), jnp.uint8)
@@ -175,7 +176,7 @@ def _operands(problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_ca
         extra_kv_cache,
         extra_indices,
         empty_i32 if extra_topk_length is None else extra_topk_length,
-        jnp.reshape(valid_tokens, (1,)),
+        empty_i32 if valid_tokens is None else jnp.reshape(valid_tokens, (1,)),
     )
 
 
@@ -194,7 +195,7 @@ def call(plan, problem, q, kv_cache, indices, topk_length, attn_sink, extra_kv_c
     """Emits the custom call for one plan. Absent optional operands are passed as empty arrays.
 
     Args are flattened rows: q ``[T, H, d_qk]``, indices ``[T, topk]``, lengths ``[T]`` or None,
-    attn_sink ``[H]`` or None, extra arrays or None, valid_tokens an int32 scalar.
+    attn_sink ``[H]`` or None, extra arrays or None, valid_tokens an int32 scalar or None.
     Returns ``(out, lse)``; the workspace output is dropped.
     """
     t, h = problem.num_tokens, problem.num_heads
@@ -248,10 +249,8 @@ def call_backward(problem, arrays, out, lse, d_out, d_lse, *, wrt, groups: int, 
       ``{name: gradient}`` for the names in ``wrt`` (shapes and dtypes of :func:`backward_results`).
     """
     get = arrays.get
-    valid_tokens = get("valid_tokens")
     operands = _operands(problem, get("q"), get("kv_cache"), get("indices"), get("topk_length"), get("attn_sink"),
-                         get("extra_kv_cache"), get("extra_indices"), get("extra_topk_length"),
-                         jnp.int32(problem.num_tokens) if valid_tokens is None else valid_tokens)
+                         get("extra_kv_cache"), get("extra_indices"), get("extra_topk_length"), get("valid_tokens"))
     cotangents = (jnp.zeros((0,), jnp.bfloat16) if d_out is None else d_out,
                   jnp.zeros((0,), jnp.float32) if d_lse is None else d_lse)
     results = backward_results(problem, arrays["kv_cache"].shape, wrt, groups)

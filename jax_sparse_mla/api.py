@@ -220,10 +220,7 @@ def _lower(problem, arrays):
             extra_kv_cache=get("extra_kv_cache"), extra_indices=get("extra_indices"),
             extra_topk_length=get("extra_topk_length"), extra_layout=problem.extra_layout, extra_fmt=problem.extra_fmt,
             valid_tokens=get("valid_tokens"))
-    valid_tokens = get("valid_tokens")
-    if valid_tokens is None:
-        valid_tokens = jnp.int32(problem.num_tokens)
-    operands = [get(name) for name in _OPERANDS[:-1]] + [valid_tokens]
+    operands = [get(name) for name in _OPERANDS]
 
     def lower_for(platform):
         def lower_single(single, single_arrays):

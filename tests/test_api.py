@@ -440,3 +440,22 @@ def test_check_supported_names_every_violated_axis():
         jsm.check_supported("glm_nsa", impl="decode", platform="cpu")
     with pytest.raises(ValueError, match="kv_format"):
         jsm.check_supported("unknown")
+
+
+@pytest.mark.parametrize("valid_tokens,operand_type", [(None, "tensor<0xi32>"), (2, "tensor<1xi32>")])
+def test_valid_tokens_operand_is_empty_when_absent(valid_tokens, operand_type):
+    """Without ``valid_tokens`` the custom call takes an empty count (every row valid: the kernels read no
+    count before their first gathers); with it, the count as ``[1]``."""
+    cache = jnp.zeros((2, 64, 656), jnp.uint8)
+
+    def run(q, indices):
+        return jsm.sparse_mla(q, cache, indices, kv_format="dsv3_2", sm_scale=0.1, valid_tokens=valid_tokens)
+
+    q, indices = jnp.zeros((3, 16, 576), jnp.bfloat16), jnp.zeros((3, 8), jnp.int32)
+    calls = [line for line in jax.jit(run).lower(q, indices).as_text().splitlines() if TARGET in line]
+    assert len(calls) == 1
+    operand_types = calls[0].rsplit(": (", 1)[1].split(") ->")[0].split(", ")
+    assert len(operand_types) == 9 and operand_types[-1] == operand_type
+    out, lse = jax.jit(run)(q, indices)
+    rows = 3 if valid_tokens is None else valid_tokens
+    assert np.all(np.isfinite(np.asarray(lse[:rows]))) and np.all(np.asarray(lse[rows:]) == -np.inf)

@@ -291,7 +291,7 @@ AttentionParams attention_params(const DeviceProblem& d, int set) {
     a.extra.max_candidates = d.f->max_candidates;
   }
   a.attn_sink = d.d_sink;
-  a.valid_tokens = d.d_valid;
+  a.valid_tokens = d.pr.valid_tokens < 0 ? nullptr : d.d_valid;  // none given: as the op, no count
   a.sm_scale = d.pr.sm_scale;
   a.out = d.d_out;
   a.lse = d.d_lse;
