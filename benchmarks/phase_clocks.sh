@@ -13,7 +13,7 @@ tree=$(cd "${1:?usage: phase_clocks.sh <tree built with JSMLA_PHASE_CLOCKS=1>}" 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/jsmla_phase}
 mkdir -p "$out"
-build=/tmp/jsmla_phase_build
+build=/tmp/jsmla_phase_build_$(basename "$tree")  # a folder per tree: CMake keeps one source per folder
 grep -qE "^#define JSMLA_PHASE_CLOCKS 1" "$tree/kernels/cuda/launch_params.h" ||
   { echo "phase_clocks.sh: $tree is not built with JSMLA_PHASE_CLOCKS=1 (benchmarks/ab_tree.sh)"; exit 2; }
 source "$repo/benchmarks/check_build.sh"
