@@ -8,21 +8,6 @@
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/launch_params.h"
 
-// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 reads the first two tiles' indices early
-// (EarlyIndex below) in the portable family's loaders and the Hopper producer of BF16 rows too, as the
-// staged Hopper producers do; 0 (the default) reads them there once the valid-token count and the
-// lengths have returned.
-#ifndef JSMLA_EARLY_INDEX_ALL
-#define JSMLA_EARLY_INDEX_ALL 0
-#endif
-// Compile-time knob for A/B timing: 1 writes the split kernels' padding rows in a function called out of
-// line (write_padding_rows_out_of_line), so that a valid block's path runs on from its validity check
-// instead of jumping over the inlined padding code (about 3.6 KB of instructions in the 16-head kernel);
-// 0 (the default) inlines it.
-#ifndef JSMLA_PADDING_OUT_OF_LINE
-#define JSMLA_PADDING_OUT_OF_LINE 0
-#endif
-
 namespace jsmla::cuda {
 
 // The candidate positions one block visits: split ∩ ([0, main_len) ∪ [main_topk, main_topk + extra_len)),
@@ -177,13 +162,6 @@ JSMLA_DEVICE void write_padding_rows(const SplitKvParams& p, int64_t token, int 
   uint4* out = reinterpret_cast<uint4*>(a.out + (token * a.num_heads + head_begin) * kDv);
   for (int i = thread; i < heads * kDv / 8; i += thread_count) out[i] = make_uint4(0, 0, 0, 0);
   for (int h = thread; h < heads; h += thread_count) a.lse[token * a.num_heads + head_begin + h] = -INFINITY;
-}
-
-// write_padding_rows for all threads of the block, as a call (JSMLA_PADDING_OUT_OF_LINE).
-template <int kDv>
-__device__ __noinline__ void write_padding_rows_out_of_line(const SplitKvParams& p, int64_t token, int head_begin,
-                                                            int head_tile_size) {
-  write_padding_rows<kDv>(p, token, head_begin, head_tile_size, threadIdx.x, blockDim.x);
 }
 
 }  // namespace jsmla::cuda

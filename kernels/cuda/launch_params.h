@@ -14,14 +14,6 @@
 #define JSMLA_PHASE_CLOCKS 0
 #endif
 
-// Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 has the Hopper kernels read one word of
-// every 64-byte line of their parameters at entry, all loads in flight at once (touch_params), so that
-// the parameters' first-use constant-cache misses overlap instead of following one another; 0 (the
-// default) reads each field where it is used.
-#ifndef JSMLA_TOUCH_PARAMS
-#define JSMLA_TOUCH_PARAMS 0
-#endif
-
 namespace jsmla::cuda {
 
 // One attention launch. Candidate position j of token t runs over the main list (j < main.topk) then
@@ -39,23 +31,6 @@ struct SplitKvParams {
   long long* phase_clocks = nullptr;
 #endif
 };
-
-// Reads one word of every 64-byte line of a kernel's parameter struct, every load in flight before any
-// is used, and waits for them (the XOR of the words feeds a branch that no valid launch takes: a
-// negative head count).
-JSMLA_HD void touch_params(const SplitKvParams& p) {
-#if defined(__CUDA_ARCH__)
-  const uint32_t* const words = reinterpret_cast<const uint32_t*>(&p);
-  uint32_t x = 0;
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(SplitKvParams) / 4); i += 8) x ^= words[i];  // 32 bytes apart:
-                                                                                          // every 64-byte line
-  x ^= words[sizeof(SplitKvParams) / 4 - 1];  // and the last word's line
-  if (x == 0x9e3779b9u && p.attn.num_heads < 0) __trap();
-#else
-  (void)p;
-#endif
-}
 
 // Merging the splits of a decode call into out/lse.
 struct CombineParams {

@@ -49,9 +49,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // JSMLA_PHASE_CLOCKS (phase_clock.cuh): the marks of producer thread 0 (role 0) and consumer thread 0
   // (role 1), from here.
   PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads);
-#if JSMLA_TOUCH_PARAMS
-  touch_params(p);
-#endif
   // The split merge queued after a decode launch may start its blocks now.
   allow_dependent_launch();
   const AttentionParams& a = p.attn;
@@ -73,11 +70,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   clock.mark_after(PhaseClock::kCoordinates,
                    static_cast<uint32_t>(coordinates.token) ^ coordinates.split ^ coordinates.head_tile);
   if (token >= valid_count) {
-#if JSMLA_PADDING_OUT_OF_LINE
-    write_padding_rows_out_of_line<Cfg::kDv>(p, token, head_begin, kH);
-#else
     write_padding_rows<Cfg::kDv>(p, token, head_begin, kH, threadIdx.x, Cfg::kThreads);
-#endif
     return;
   }
   clock.mark_start();  // the valid-token count and the lengths have arrived

@@ -62,9 +62,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   // (role 1) and warpgroup 2 (role 2), from here; the producer's tiles for staged rows only.
   PhaseClock clock(threadIdx.x == 0 || threadIdx.x == Cfg::kProducerThreads ||
                    threadIdx.x == Cfg::kProducerThreads + Cfg::kScorerThreads);
-#if JSMLA_TOUCH_PARAMS
-  touch_params(p);
-#endif
   // The split merge queued after a decode launch may start its blocks now (it waits for this grid's
   // results before reading them).
   allow_dependent_launch();
@@ -79,16 +76,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   const int num_heads = a.num_heads;
 
   const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);  // loaded first
-#if JSMLA_EARLY_INDEX_ALL
-  EarlyIndex early_rounds[Cfg::kRounds][2];  // BF16 rows: each round's rows of the first two tiles
-  if (Cfg::kDirectTiles && threadIdx.x < Cfg::kProducerThreads) {
-#pragma unroll
-    for (int r = 0; r < Cfg::kRounds; ++r) {
-      read_first_indices<kN>(p, coordinates, r * Cfg::kRoundRows + threadIdx.x / Loader::kThreadsPerRow,
-                             early_rounds[r]);
-    }
-  }
-#endif
   // The staged producer's first two tiles' indices, read beside the valid-token count and the lengths
   // (candidate_tiles.cuh: EarlyIndex).
   EarlyIndex early[2];
@@ -100,11 +87,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
   clock.mark_after(PhaseClock::kCoordinates,
                    static_cast<uint32_t>(coordinates.token) ^ coordinates.split ^ coordinates.head_tile);
   if (token >= valid_count) {
-#if JSMLA_PADDING_OUT_OF_LINE
-    if (slice == 0) write_padding_rows_out_of_line<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile);
-#else
     if (slice == 0) write_padding_rows<Cfg::kRowDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
-#endif
     return;
   }
   clock.mark_start();  // the valid-token count and the lengths have arrived
@@ -179,16 +162,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       Rows pending;
 #pragma unroll
       for (int s = 0; s < kStages; ++s) {
-#if JSMLA_EARLY_INDEX_ALL
-        static_assert(kStages == 2, "the early indices cover the first two tiles");
-#pragma unroll
-        for (int r = 0; r < kRounds; ++r) {
-          pending[r] = pending_row_from<Loader::kF.dual_cache>(a, tiles, token, s, r * Cfg::kRoundRows + load_row,
-                                                               early_rounds[r][s]);
-        }
-#else
         read_rows(pending, s);
-#endif
         issue_direct(pending, s);
       }
       read_rows(pending, kStages);

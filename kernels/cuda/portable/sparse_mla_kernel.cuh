@@ -50,27 +50,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   const int head_begin = coordinates.head_tile * Cfg::kHeadTile;
   const int num_heads = a.num_heads;
 
-#if JSMLA_EARLY_INDEX_ALL
-  // The loader's first two tiles' indices, read beside the valid-token count and the lengths
-  // (candidate_tiles.cuh: EarlyIndex).
-  const int64_t valid_count = valid_token_count(a.valid_tokens, a.num_tokens);
-  EarlyIndex early[2];
-  read_first_indices<kN>(p, coordinates, threadIdx.x / Loader::kThreadsPerRow, early);
-  const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
-  if (token >= valid_count) {
-#else
   if (token >= valid_token_count(a.valid_tokens, a.num_tokens)) {
-#endif
-#if JSMLA_PADDING_OUT_OF_LINE
-    write_padding_rows_out_of_line<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile);
-#else
     write_padding_rows<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
-#endif
     return;
   }
-#if !JSMLA_EARLY_INDEX_ALL
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
-#endif
 
   // ---- loader role: row `load_row` of every tile, units `load_sub` + k*kThreadsPerRow ----
   const int load_row = threadIdx.x / Loader::kThreadsPerRow;
@@ -97,13 +81,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
   };
 
   // ---- prologue: gather tile 0, load Q, convert tile 0, gather tile 1 ----
-#if JSMLA_EARLY_INDEX_ALL
-  bool staged_valid = issue_row(pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 0, load_row, early[0]));
-  PendingRow pending = pending_row_from<Loader::kF.dual_cache>(a, tiles, token, 1, load_row, early[1]);
-#else
   bool staged_valid = issue_row(read_row(0));
   PendingRow pending = read_row(1);
-#endif
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
