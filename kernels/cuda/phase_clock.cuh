@@ -29,7 +29,7 @@ struct PhaseClock {
   static constexpr int kRoles = 3;             // records a block stores (roles 0, 1, 2)
 #if JSMLA_PHASE_CLOCKS
   bool active;
-  long long start;
+  long long start;     // set for a recording thread only
   long long start_ns;
   long long at[kMarks];
   JSMLA_DEVICE static long long now_ns() {
@@ -43,7 +43,13 @@ struct PhaseClock {
     return static_cast<long long>(t);
   }
   // `active`: this thread records (one thread of each role).
-  JSMLA_DEVICE explicit PhaseClock(bool active_thread) : active(active_thread), start(now_cycles()), start_ns(now_ns()) {
+  // Only the recording threads write the record (a local-memory object, `at` being indexed at run time):
+  // written by every thread of a 384-thread block, its initial stores (about 60 KB a block) were what a
+  // block's first ~4700 cycles of the phase clocks waited for.
+  JSMLA_DEVICE explicit PhaseClock(bool active_thread) : active(active_thread) {
+    if (!active) return;
+    start = now_cycles();
+    start_ns = now_ns();
 #pragma unroll
     for (int i = 0; i < kMarks; ++i) at[i] = -1;
   }
