@@ -44,8 +44,8 @@ struct PhaseClock {
   }
   // `active`: this thread records (one thread of each role).
   // Only the recording threads write the record (a local-memory object, `at` being indexed at run time):
-  // written by every thread of a 384-thread block, its initial stores (about 60 KB a block) were what a
-  // block's first ~4700 cycles of the phase clocks waited for.
+  // written by every thread, its initial stores (about 60 KB a 384-thread block) would sit in front of
+  // the block's first loads and delay what the first marks measure.
   JSMLA_DEVICE explicit PhaseClock(bool active_thread) : active(active_thread) {
     if (!active) return;
     start = now_cycles();
