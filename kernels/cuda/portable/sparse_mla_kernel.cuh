@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_portable_kernel(c
     write_padding_rows<Cfg::kDv>(p, token, head_begin, Cfg::kHeadTile, threadIdx.x, Cfg::kThreads);
     return;
   }
+
   const CandidateTiles<kN> tiles = split_tiles<kN>(p, coordinates);
 
   // ---- loader role: row `load_row` of every tile, units `load_sub` + k*kThreadsPerRow ----
