@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         *reinterpret_cast<uint4*>(tile + swizzled_offset(tile_row, dim, kN)) = values;
       });
       if (load_sub == 0) score_bias[b * kN + tile_row] = valid ? 0.0f : -INFINITY;
-      fence_proxy_async_shared();
+      producer_tile_fence();
       named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
       clock.mark(2 + 2 * i);  // tile i converted
       valid = next_valid;
@@ -163,6 +163,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int b = i & (Cfg::kStages - 1);
       const uint8_t* const tile = tile_buffer(b);
       named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kThreads);
+      consumer_tile_fence();
       clock.mark(i < 4 ? 1 + 3 * i : -1);  // tile i in its buffer (the first four tiles)
       // Sᵀ = K·Qᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of the tile and of Q.
       float score[8];

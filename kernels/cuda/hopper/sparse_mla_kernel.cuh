@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         const int b = i & (kStages - 1);
         // In flight: tiles i .. i + kStages - 2 (one commit group each, empty past the end).
         cp_async_wait_pending<kStages - 2>();
-        fence_proxy_async_shared();
+        producer_tile_fence();
         named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
         if (i == 0) continue;
         const int refill = i - 1 + kStages;  // into tile i - 1's buffer, once both consumers are done with it
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
           if constexpr (Cfg::kExactScales) Loader::write_factors(valid, scale_slot(b), factors(b), load_row);
         }
-        fence_proxy_async_shared();
+        producer_tile_fence();
         named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
         clock.mark(2 + 2 * i);  // tile i converted
         staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
@@ -327,6 +327,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
         if constexpr (group == 0) {
           named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
+          consumer_tile_fence();
           clock.mark(i < 4 ? 1 + 3 * i : -1);  // tile i in its buffer (the first four tiles)
           // S = Q·Kᵀ, kDqk / 16 k-steps.
           float score[kN / 8][4];  // the m64nkN accumulators: score[j][r] as in online_softmax.cuh
