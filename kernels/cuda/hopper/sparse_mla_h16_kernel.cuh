@@ -6,12 +6,12 @@
 //   wait for its own cp.async of tile i; copy its staged units into registers; issue the gather of
 //   tile i + 1 into the same staging rows (and scale slot set b ^ 1); read the indices of tile i + 2;
 //   wait empty[b] (the consumer is done with tile i - 2); convert into tile buffer b;
-//   fence.proxy.async; arrive full[b].
-// Consumer, per tile: wait full[b]; issue Sᵀ = K·Qᵀ (kDqk/16 wgmmas) behind the previous tile's Oᵀ;
-//   wait for that Oᵀ and arrive empty for the previous buffer; wait for Sᵀ; the softmax per head
-//   (the four warps' tile maxima meet in shared memory); Pᵀ into P buffer b; Oᵀ += Vᵀ·Pᵀ (4 k16 steps ×
-//   8 m64 blocks), left in flight. The conversion of tile i + 1 and the gather of tile i + 2 overlap the
-//   consumer's work on tile i.
+//   arrive full[b].
+// Consumer, per tile: wait full[b]; fence.proxy.async (wgmma.cuh); issue Sᵀ = K·Qᵀ (kDqk/16 wgmmas)
+//   behind the previous tile's Oᵀ; wait for that Oᵀ and arrive empty for the previous buffer; wait for
+//   Sᵀ; the softmax per head (the four warps' tile maxima meet in shared memory); Pᵀ into P buffer b;
+//   Oᵀ += Vᵀ·Pᵀ (4 k16 steps × 8 m64 blocks), left in flight. The conversion of tile i + 1 and the
+//   gather of tile i + 2 overlap the consumer's work on tile i.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -116,7 +116,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         *reinterpret_cast<uint4*>(tile + swizzled_offset(tile_row, dim, kN)) = values;
       });
       if (load_sub == 0) score_bias[b * kN + tile_row] = valid ? 0.0f : -INFINITY;
-      producer_tile_fence();
       named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kThreads);
       clock.mark(2 + 2 * i);  // tile i converted
       valid = next_valid;
@@ -163,7 +162,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int b = i & (Cfg::kStages - 1);
       const uint8_t* const tile = tile_buffer(b);
       named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kThreads);
-      consumer_tile_fence();
+      fence_proxy_async_shared();  // the producers' stores to the tile (wgmma.cuh)
       clock.mark(i < 4 ? 1 + 3 * i : -1);  // tile i in its buffer (the first four tiles)
       // Sᵀ = K·Qᵀ: k-step ks reads columns [16 ks, 16 ks + 16) of the tile and of Q.
       float score[8];

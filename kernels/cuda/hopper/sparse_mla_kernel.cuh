@@ -5,13 +5,14 @@
 //
 // Producer, per candidate tile i (stage and buffer b = i % 2):
 //   wait for its own cp.async of tile i; wait empty[b] (the consumers are done with tile i - 2);
-//   convert staging b into tile buffer b; fence.proxy.async; arrive full[b];
+//   convert staging b into tile buffer b; arrive full[b];
 //   issue the gather of tile i + 2 into staging b; read the indices of tile i + 3.
 // BF16 rows (direct tiles, 64 candidates, two buffers): wait for its own cp.async of tile i;
-//   fence.proxy.async; arrive full[b]; wait empty[b ^ 1] (the consumers are done with tile i - 1) and
+//   arrive full[b]; wait empty[b ^ 1] (the consumers are done with tile i - 1) and
 //   gather tile i + 1 straight into that buffer; read the indices of tile i + 2.
-// Scorer, per 32-candidate tile: wait full[b]; issue S = Q·Kᵀ (kDqk/16 wgmmas) behind its P·V of the
-// previous tile, wait for that P·V and arrive empty for the previous buffer, then wait for S; softmax;
+// Scorer, per 32-candidate tile: wait full[b]; fence.proxy.async (for both consumers: warpgroup 2 reads
+// the tile behind the scorer's p_ready, wgmma.cuh); issue S = Q·Kᵀ (kDqk/16 wgmmas) behind its P·V of
+// the previous tile, wait for that P·V and arrive empty for the previous buffer, then wait for S; softmax;
 // P and the rows' rescale factors into shared memory, meet warpgroup 2 at p_ready[b]; O[:, first half]
 // += P·V (2 wgmmas, left in flight into the next tile; arbitrary scales: S in stages per scale group,
 // and P·V waited for in the tile, config.h). Per 64-candidate tile (whose 32 scores a
@@ -170,7 +171,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         const int b = i & (kStages - 1);
         // In flight: tiles i .. i + kStages - 2 (one commit group each, empty past the end).
         cp_async_wait_pending<kStages - 2>();
-        producer_tile_fence();
         named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
         if (i == 0) continue;
         const int refill = i - 1 + kStages;  // into tile i - 1's buffer, once both consumers are done with it
@@ -219,7 +219,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
           score_bias[b * kN + load_row] = valid ? 0.0f : -INFINITY;
           if constexpr (Cfg::kExactScales) Loader::write_factors(valid, scale_slot(b), factors(b), load_row);
         }
-        producer_tile_fence();
         named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
         clock.mark(2 + 2 * i);  // tile i converted
         staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
@@ -327,7 +326,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
             tile + group * (Cfg::kDvPerGroup / 64) * Cfg::kTileBlockBytes, Cfg::kTileBlockBytes, 1024);
         if constexpr (group == 0) {
           named_barrier_sync(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
-          consumer_tile_fence();
+          fence_proxy_async_shared();  // the producers' stores to the tile (wgmma.cuh)
           clock.mark(i < 4 ? 1 + 3 * i : -1);  // tile i in its buffer (the first four tiles)
           // S = Q·Kᵀ, kDqk / 16 k-steps.
           float score[kN / 8][4];  // the m64nkN accumulators: score[j][r] as in online_softmax.cuh

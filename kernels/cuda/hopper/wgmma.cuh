@@ -122,22 +122,12 @@ JSMLA_DEVICE void fence_registers(uint32_t (&r)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
-// Makes this thread's generic-proxy shared-memory writes visible to wgmma (the async proxy).
+// Makes generic-proxy shared-memory writes visible to wgmma (the async proxy): this thread's, and those
+// of other threads ordered before it by a barrier it has waited on (the fence is then on every path from
+// those writes to the wgmma that reads them). The tiles converted by the producers are fenced that way,
+// by their consumers after the full-barrier wait: executed by a producer with its next tile's copies in
+// flight, the fence took about 360 cycles instead of 50 (kernels/cuda/tests/fence_probe.cu, H100).
 JSMLA_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// A/B knob: where a tile's generic → async proxy fence runs. 0: in every producer thread, after its
-// stores to the tile and before it arrives at the tile's full barrier. 1: in every consumer thread of
-// the full barrier, after its wait (the fence then lies on every path from the stores to the wgmma that
-// reads them, and no producer fences while its next tile's copies are in flight).
-#ifndef JSMLA_CONSUMER_PROXY_FENCE
-#define JSMLA_CONSUMER_PROXY_FENCE 0
-#endif
-JSMLA_DEVICE void producer_tile_fence() {
-  if constexpr (!JSMLA_CONSUMER_PROXY_FENCE) fence_proxy_async_shared();
-}
-JSMLA_DEVICE void consumer_tile_fence() {
-  if constexpr (JSMLA_CONSUMER_PROXY_FENCE) fence_proxy_async_shared();
-}
 
 // Register reallocation between warpgroups (all warps of the warpgroup execute it).
 template <int kRegisters>
