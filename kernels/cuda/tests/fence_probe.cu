@@ -21,14 +21,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK_CUDA(x)                                                                  \
-  do {                                                                                 \
-    cudaError_t e = (x);                                                               \
-    if (e != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));   \
-      std::exit(2);                                                                    \
-    }                                                                                  \
-  } while (0)
+#include "check_cuda.h"
 
 constexpr int kThreads = 128;
 constexpr int kCopies = 4;        // 16-byte units a thread has in flight (a producer's share of a row)

@@ -43,6 +43,7 @@
 #include "kernels/cuda/launch_params.h"
 #include "kernels/cuda/softmax_merge.cuh"
 #include "kernels/cuda/split_workspace.h"
+#include "kernels/cuda/tests/check_cuda.h"
 
 namespace {
 
@@ -53,15 +54,6 @@ constexpr int kThreads = 384;   // the Hopper split kernels' block (both head ti
 constexpr int kMaxSplits = 64;  // the fused block's weight table
 constexpr int kReduceWarps = 8;  // the narrow combine's block of 256 threads: its lse sums add 8 warp sums
 static_assert(kMaxSplits <= 32 * kReduceWarps, "the combine's block reduction holds one split per thread");
-
-#define CHECK_CUDA(x)                                                                      \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 struct ProbeParams {
   const uint16_t* source_out;  // the partial rows to store (BF16), the workspace's layout

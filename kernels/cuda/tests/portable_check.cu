@@ -47,20 +47,11 @@
 #include "kernels/cuda/load_tile.cuh"
 #include "kernels/cuda/phase_clock.cuh"
 #include "kernels/cuda/registry.h"
+#include "kernels/cuda/tests/check_cuda.h"
 
 namespace {
 
 using namespace jsmla;
-
-#define CHECK_CUDA(call)                                                                          \
-  do {                                                                                            \
-    cudaError_t e_ = (call);                                                                      \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                   cudaGetErrorString(e_));                                                       \
-      std::exit(2);                                                                               \
-    }                                                                                             \
-  } while (0)
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 

@@ -21,14 +21,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK_CUDA(x)                                                                  \
-  do {                                                                                 \
-    cudaError_t e = (x);                                                               \
-    if (e != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e));   \
-      std::exit(2);                                                                    \
-    }                                                                                  \
-  } while (0)
+#include "check_cuda.h"
 
 struct Params {  // 512 bytes: eight 64-byte lines
   float line[8][16];
