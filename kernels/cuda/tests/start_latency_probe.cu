@@ -1,8 +1,9 @@
 // What a block's first microseconds cost on this GPU, apart from our kernels: how long straight-line
 // code takes the first time a launch runs it (instruction fetch), against the same code run again and
-// against a loop of the same dynamic length, and how long a block waits for its first kernel
-// parameter (constant bank) and its first global word. Each case is one launch of G blocks of 256
-// threads; thread 0 of every block records clock64 deltas; the table gives medians over the blocks.
+// against a loop of the same dynamic length, against pieces of code reached through jumps in layout
+// order and in a scattered order, and how long a block waits for its first kernel parameter (constant
+// bank) and its first global word. Each case is one launch of G blocks of 256 threads; thread 0 of
+// every block records clock64 deltas; the table gives medians over the blocks.
 //
 // Orders of a case's launch: "after other" (a different small kernel ran just before), "again" (the
 // same kernel ran just before), "L2 cold" (a write of four times the L2 came just before).
@@ -23,11 +24,14 @@
 
 #include "check_cuda.h"
 
-struct Params {  // 512 bytes: eight 64-byte lines
+constexpr int kPieces = 16;  // pieces of the jump kernel
+
+struct Params {  // eight 64-byte lines, then the pointers and the jump kernel's order
   float line[8][16];
   const float* global_word;
   long long* clocks;  // [block][4]
   float* result;      // [block][thread]
+  int order[kPieces]; // the jump kernel's piece order (a permutation)
 };
 
 __device__ __forceinline__ long long clock_now() {
@@ -81,6 +85,56 @@ __global__ void __launch_bounds__(256) code_kernel(const __grid_constant__ Param
   if (threadIdx.x == 0) {
     p.clocks[blockIdx.x * 4 + 0] = t1 - t0;  // first parameter arrived
     p.clocks[blockIdx.x * 4 + 1] = t2 - t1;  // the code
+  }
+  p.result[blockIdx.x * 256 + threadIdx.x] = sum;
+}
+
+// The jump kernel's code: kPieces pieces of straight code, kPerPiece FMAs each over four chains, every
+// immediate unique to its piece and position (no folding, no two pieces alike), run in the order p.order
+// through a switch: each piece ends in a jump to the next one's code wherever it lies, as a kernel's
+// roles and phases jump between parts of a large instance. The same pieces in layout order and in a
+// scattered order, against the straight code above of the same size, tell whether jumps cost fetch time.
+__host__ __device__ constexpr float piece_add(int piece, int i, int chain) {
+  return 1e-6f * (chain + 1) * (i % 16 + 1) + 1e-9f * i + 1e-7f * piece;
+}
+template <int kPiece, int kPerPiece>
+__device__ __forceinline__ void run_piece(float (&x)[4]) {
+#pragma unroll
+  for (int i = 0; i < kPerPiece / 4; ++i) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) x[c] = fmaf(x[c], 0.999f - 0.001f * c, piece_add(kPiece, i, c));
+  }
+}
+template <int kPerPiece>
+__global__ void __launch_bounds__(256) jump_kernel(const __grid_constant__ Params p) {
+  const long long t0 = clock_now();
+  float x0 = p.line[0][(threadIdx.x & 15) + opaque_zero()];
+  wait_for(x0);
+  const long long t1 = clock_now();
+  x0 += static_cast<float>(opaque_zero());
+  float x[4] = {x0, x0 + 1.0f, x0 + 2.0f, x0 + 3.0f};
+#pragma unroll 1
+  for (int k = 0; k < kPieces; ++k) {
+    switch (p.order[k]) {
+#define JSMLA_PIECE(n) \
+  case n:              \
+    run_piece<n, kPerPiece>(x); \
+    break;
+      JSMLA_PIECE(0) JSMLA_PIECE(1) JSMLA_PIECE(2) JSMLA_PIECE(3) JSMLA_PIECE(4) JSMLA_PIECE(5) JSMLA_PIECE(6)
+      JSMLA_PIECE(7) JSMLA_PIECE(8) JSMLA_PIECE(9) JSMLA_PIECE(10) JSMLA_PIECE(11) JSMLA_PIECE(12)
+      JSMLA_PIECE(13) JSMLA_PIECE(14) JSMLA_PIECE(15)
+#undef JSMLA_PIECE
+      default:
+        break;
+    }
+  }
+  static_assert(kPieces == 16, "the switch above has sixteen cases");
+  const float sum = x[0] + x[1] + x[2] + x[3];
+  wait_for(sum);
+  const long long t2 = clock_now();
+  if (threadIdx.x == 0) {
+    p.clocks[blockIdx.x * 4 + 0] = t1 - t0;
+    p.clocks[blockIdx.x * 4 + 1] = t2 - t1;
   }
   p.result[blockIdx.x * 256 + threadIdx.x] = sum;
 }
@@ -202,6 +256,47 @@ void code_case(Probe& probe, int blocks) {
   std::printf("\n");
 }
 
+template <int kPerPiece>
+float host_jump_sum(float x0, const int (&order)[kPieces]) {
+  float x[4] = {x0, x0 + 1.0f, x0 + 2.0f, x0 + 3.0f};
+  for (int k = 0; k < kPieces; ++k) {
+    for (int i = 0; i < kPerPiece / 4; ++i) {
+      for (int c = 0; c < 4; ++c) x[c] = std::fmaf(x[c], 0.999f - 0.001f * c, piece_add(order[k], i, c));
+    }
+  }
+  return x[0] + x[1] + x[2] + x[3];
+}
+
+// The jump kernel in layout order (piece k at step k) and scattered (piece 7k mod 16 at step k).
+template <int kPerPiece>
+void jump_case(Probe& probe, int blocks, bool scattered) {
+  for (int k = 0; k < kPieces; ++k) probe.p.order[k] = scattered ? (7 * k) % kPieces : k;
+  const int total = kPieces * kPerPiece;
+  std::printf("| %d pieces of %d FMAs (%d KB of code), %s | %d |", kPieces, kPerPiece, total * 16 / 1024,
+              scattered ? "scattered order" : "layout order", blocks);
+  const char* orders[] = {"again", "after other", "L2 cold"};
+  for (const char* order : orders) {
+    std::vector<long long> med;
+    for (int rep = 0; rep < 5; ++rep) {
+      auto c = probe.run([&] { jump_kernel<kPerPiece><<<blocks, 256>>>(probe.p); }, blocks, order);
+      med.push_back(median_slot(c, blocks, 1));
+    }
+    std::sort(med.begin(), med.end());
+    std::printf(" %lld (%.2f) |", med[2], static_cast<double>(med[2]) / total);
+  }
+  std::vector<float> r(blocks * 256);
+  CHECK_CUDA(cudaMemcpy(r.data(), probe.d_result, r.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < r.size(); ++i) {
+    const float v = r[i], expect = host_jump_sum<kPerPiece>(probe.p.line[0][i % 256 & 15], probe.p.order);
+    if (std::fabs(v - expect) > 1e-3f * std::fabs(expect)) {
+      g_ok = false;
+      std::printf(" MISMATCH %g vs %g", v, expect);
+      break;
+    }
+  }
+  std::printf("\n");
+}
+
 int main() {
   Probe probe;
   cudaDeviceProp prop;
@@ -214,6 +309,10 @@ int main() {
     code_case<2048, false>(probe, blocks);
     code_case<8192, false>(probe, blocks);
     code_case<8192, true>(probe, blocks);
+    jump_case<128>(probe, blocks, false);
+    jump_case<128>(probe, blocks, true);
+    jump_case<512>(probe, blocks, false);
+    jump_case<512>(probe, blocks, true);
   }
   std::printf("\nA block's first words: median cycles over the blocks, by launch order\n\n");
   std::printf("| blocks | order | first parameter | a parameter of another line | a global word |\n|---|---|---|---|---|\n");
