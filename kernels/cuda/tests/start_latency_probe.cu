@@ -229,31 +229,35 @@ long long median_slot(const std::vector<long long>& c, int blocks, int slot) {
 
 bool g_ok = true;
 
-template <int kInstructions, bool kRolled>
-void code_case(Probe& probe, int blocks) {
-  const char* orders[] = {"again", "after other", "L2 cold"};
-  std::printf("| %s %d FMAs (%d KB of code) | %d |", kRolled ? "loop of 64," : "straight,", kInstructions,
-              kRolled ? 1 : kInstructions * 16 / 1024, blocks);
-  for (const char* order : orders) {
+// The cells of a code case's row: for each launch order, the median over five launches of the blocks'
+// median cycles for the code (and per FMA); then every thread's result checked against `expect(x0)`.
+template <typename Launch, typename Expect>
+void code_row(Probe& probe, int blocks, int fmas, Launch launch, Expect expect) {
+  for (const char* order : {"again", "after other", "L2 cold"}) {
     std::vector<long long> med;
-    for (int rep = 0; rep < 5; ++rep) {
-      auto c = probe.run([&] { code_kernel<kInstructions, kRolled><<<blocks, 256>>>(probe.p); }, blocks, order);
-      med.push_back(median_slot(c, blocks, 1));
-    }
+    for (int rep = 0; rep < 5; ++rep) med.push_back(median_slot(probe.run(launch, blocks, order), blocks, 1));
     std::sort(med.begin(), med.end());
-    std::printf(" %lld (%.2f) |", med[2], static_cast<double>(med[2]) / kInstructions);
+    std::printf(" %lld (%.2f) |", med[2], static_cast<double>(med[2]) / fmas);
   }
   std::vector<float> r(blocks * 256);
   CHECK_CUDA(cudaMemcpy(r.data(), probe.d_result, r.size() * sizeof(float), cudaMemcpyDeviceToHost));
   for (size_t i = 0; i < r.size(); ++i) {
-    const float v = r[i], expect = host_sum<kInstructions, kRolled>(probe.p.line[0][i % 256 & 15]);
-    if (std::fabs(v - expect) > 1e-3f * std::fabs(expect)) {
+    const float v = r[i], e = expect(probe.p.line[0][i % 256 & 15]);
+    if (std::fabs(v - e) > 1e-3f * std::fabs(e)) {
       g_ok = false;
-      std::printf(" MISMATCH %g vs %g", v, expect);
+      std::printf(" MISMATCH %g vs %g", v, e);
       break;
     }
   }
   std::printf("\n");
+}
+
+template <int kInstructions, bool kRolled>
+void code_case(Probe& probe, int blocks) {
+  std::printf("| %s %d FMAs (%d KB of code) | %d |", kRolled ? "loop of 64," : "straight,", kInstructions,
+              kRolled ? 1 : kInstructions * 16 / 1024, blocks);
+  code_row(probe, blocks, kInstructions, [&] { code_kernel<kInstructions, kRolled><<<blocks, 256>>>(probe.p); },
+           [](float x0) { return host_sum<kInstructions, kRolled>(x0); });
 }
 
 template <int kPerPiece>
@@ -274,27 +278,8 @@ void jump_case(Probe& probe, int blocks, bool scattered) {
   const int total = kPieces * kPerPiece;
   std::printf("| %d pieces of %d FMAs (%d KB of code), %s | %d |", kPieces, kPerPiece, total * 16 / 1024,
               scattered ? "scattered order" : "layout order", blocks);
-  const char* orders[] = {"again", "after other", "L2 cold"};
-  for (const char* order : orders) {
-    std::vector<long long> med;
-    for (int rep = 0; rep < 5; ++rep) {
-      auto c = probe.run([&] { jump_kernel<kPerPiece><<<blocks, 256>>>(probe.p); }, blocks, order);
-      med.push_back(median_slot(c, blocks, 1));
-    }
-    std::sort(med.begin(), med.end());
-    std::printf(" %lld (%.2f) |", med[2], static_cast<double>(med[2]) / total);
-  }
-  std::vector<float> r(blocks * 256);
-  CHECK_CUDA(cudaMemcpy(r.data(), probe.d_result, r.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  for (size_t i = 0; i < r.size(); ++i) {
-    const float v = r[i], expect = host_jump_sum<kPerPiece>(probe.p.line[0][i % 256 & 15], probe.p.order);
-    if (std::fabs(v - expect) > 1e-3f * std::fabs(expect)) {
-      g_ok = false;
-      std::printf(" MISMATCH %g vs %g", v, expect);
-      break;
-    }
-  }
-  std::printf("\n");
+  code_row(probe, blocks, total, [&] { jump_kernel<kPerPiece><<<blocks, 256>>>(probe.p); },
+           [&](float x0) { return host_jump_sum<kPerPiece>(x0, probe.p.order); });
 }
 
 int main() {
