@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
