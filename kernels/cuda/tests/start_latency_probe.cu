@@ -253,7 +253,7 @@ void code_row(Probe& probe, int blocks, int fmas, Launch launch, Expect expect) 
 
 template <int kInstructions, bool kRolled>
 void code_case(Probe& probe, int blocks) {
-  std::printf("| %s %d FMAs (%d KB of code) | %d |", kRolled ? "loop of 64," : "straight,", kInstructions,
+  std::printf("| %s %d FMAs (%d KB of FMAs) | %d |", kRolled ? "loop of 64," : "straight,", kInstructions,
               kRolled ? 1 : kInstructions * 16 / 1024, blocks);
   code_row(probe, blocks, kInstructions, [&] { code_kernel<kInstructions, kRolled><<<blocks, 256>>>(probe.p); },
            [](float x0) { return host_sum<kInstructions, kRolled>(x0); });
@@ -275,7 +275,7 @@ template <int kPerPiece>
 void jump_case(Probe& probe, int blocks, bool scattered) {
   for (int k = 0; k < kPieces; ++k) probe.p.order[k] = scattered ? (7 * k) % kPieces : k;
   const int total = kPieces * kPerPiece;
-  std::printf("| %d pieces of %d FMAs (%d KB of code), %s | %d |", kPieces, kPerPiece, total * 16 / 1024,
+  std::printf("| %d pieces of %d FMAs (%d KB of FMAs), %s | %d |", kPieces, kPerPiece, total * 16 / 1024,
               scattered ? "scattered order" : "layout order", blocks);
   code_row(probe, blocks, total, [&] { jump_kernel<kPerPiece><<<blocks, 256>>>(probe.p); },
            [&](float x0) { return host_jump_sum<kPerPiece>(x0, probe.p.order); });
