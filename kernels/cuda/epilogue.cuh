@@ -14,10 +14,6 @@
 #include "kernels/cuda/online_softmax.cuh"
 #include "kernels/cuda/softmax_merge.cuh"
 
-#ifndef JSMLA_EPILOGUE_ONE_STORE
-#define JSMLA_EPILOGUE_ONE_STORE 0  // A/B knob: one store path for final and partial rows
-#endif
-
 namespace jsmla::cuda {
 
 // Multiplies row r of the accumulators by rescale[r].
@@ -97,14 +93,6 @@ JSMLA_DEVICE void store_rows(const SplitKvParams& p, int64_t token, int split, c
     for (int j = 0; j < kCount / 4; ++j) {
       pairs[j] = pack_bf16x2(acc[4 * j + 2 * r] * finish.factor, acc[4 * j + 2 * r + 1] * finish.factor);
     }
-#if JSMLA_EPILOGUE_ONE_STORE
-    const int64_t row = write_final ? token * a.num_heads + head
-                                    : SplitWorkspace::row(split, token, head, a.num_tokens, a.num_heads);
-    uint16_t* const out_rows = write_final ? a.out : p.workspace.partial_out;
-    float* const lse_rows = write_final ? a.lse : p.workspace.partial_lse;
-    store_row_bf16(out_rows + row * kDv + block_first, pairs, lane);
-    if (writes_lse) lse_rows[row] = finish.lse;
-#else
     if (write_final) {
       store_row_bf16(a.out + (token * a.num_heads + head) * kDv + block_first, pairs, lane);
       if (writes_lse) a.lse[token * a.num_heads + head] = finish.lse;
@@ -113,7 +101,6 @@ JSMLA_DEVICE void store_rows(const SplitKvParams& p, int64_t token, int split, c
       store_row_bf16(p.workspace.partial_out + row * kDv + block_first, pairs, lane);
       if (writes_lse) p.workspace.partial_lse[row] = finish.lse;
     }
-#endif
   }
 }
 

@@ -54,7 +54,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
   // the whole scale record (slice s's scales start s * kSliceScaleBytes into the slot).
   template <bool kSplitTrailing = false>
   static JSMLA_DEVICE void issue(const CacheView& cache, int64_t slot, uint8_t* staged_row, uint8_t* scale_slot,
-                                 int sub, int slice = 0, bool copy_scales = true) {
+                                 int sub, int slice = 0) {
     const uint8_t* row = cache.data_row(slot);
     const uint8_t* const trailing = row;  // the BF16 lanes' offset is from the row's start
     if constexpr (kLaneSlices > 1) row += slice * kF.quant_bytes();  // this slice's quantized lanes
@@ -71,7 +71,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
       }
     }
     constexpr FormatTraits format = kF;  // a device-side copy: CacheView takes the traits by reference
-    if (!copy_scales) return;
     if constexpr (kScaleRecordBytes == 8) {
       cp_async_8(scale_slot, cache.scales(format, slot));
     } else {

@@ -21,10 +21,6 @@
 #include "kernels/cuda/hopper/config_h16.h"
 #include "kernels/cuda/loader_geometry.h"
 
-#ifndef JSMLA_SCALE_ONE_COPY
-#define JSMLA_SCALE_ONE_COPY 0  // A/B knob: one scale-record copy per row, not one per thread of the row
-#endif
-
 // Compile-time knob for A/B timing (benchmarks/ab_tree.sh): 1 (the default) splits the trailing BF16
 // lanes (the rope) of a lane-sliced row between the blocks of a cluster, each gathering and multiplying
 // its half (0.97x the cluster tile's time against 0); 0 leaves them all to block 0 (the other blocks' Q

@@ -82,9 +82,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int load_sub = threadIdx.x % Loader::kThreadsPerRow;
     const int tile_row = group * Cfg::kRoundRows + load_row;
     uint8_t* const staged_row = smem + Cfg::kStageOffset + group * Cfg::kStageBytes + load_row * Cfg::kStagePitch;
-    auto scale_slot = [&](int b) {  // JSMLA_SCALE_ONE_COPY: as in the 64-head producer
-      return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes +
-             (JSMLA_SCALE_ONE_COPY ? threadIdx.x - load_sub : threadIdx.x) * Loader::kScaleSlotBytes;
+    auto scale_slot = [&](int b) {
+      return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes + threadIdx.x * Loader::kScaleSlotBytes;
     };
     auto read_row = [&](int tile_index) {
       return read_pending_row<Loader::kF.dual_cache>(a, tiles, token, tile_index, tile_row);
@@ -92,10 +91,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // Starts the copies of a row into the staging row and scale slot set b; one commit group.
     auto issue_row = [&](const PendingRow& row, int b) {
       const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
-      if (valid) {
-        Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row, scale_slot(b), load_sub, 0,
-                      !JSMLA_SCALE_ONE_COPY || load_sub == 0);
-      }
+      if (valid) Loader::issue(pending_cache<Loader::kF.dual_cache>(a, row), row.index, staged_row, scale_slot(b), load_sub);
       cp_async_commit();
       return valid;
     };
@@ -106,7 +102,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int i = 0; i < tiles.count; ++i) {
       const int b = i & (Cfg::kStages - 1);
       cp_async_wait_all();  // this thread's copies of tile i have landed (only this thread reads them)
-      if (JSMLA_SCALE_ONE_COPY) __syncwarp();
       clock.mark(1 + 2 * i);
       uint4 units[Loader::kUnitsPerThread];
       Loader::load_staged(staged_row, load_sub, units);

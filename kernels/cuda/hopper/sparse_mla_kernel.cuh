@@ -112,18 +112,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
     const int load_row = threadIdx.x / Loader::kThreadsPerRow;
     const int load_sub = threadIdx.x % Loader::kThreadsPerRow;
     auto staged_row = [&](int b) { return smem + Cfg::kStageOffset + b * Cfg::kStageBytes + load_row * Cfg::kStagePitch; };
-    // JSMLA_SCALE_ONE_COPY: the row's first thread copies its scale record, into its slot, which the
-    // row's threads read behind a __syncwarp after their wait.
     auto scale_slot = [&](int b) {
-      return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes +
-             (JSMLA_SCALE_ONE_COPY ? threadIdx.x - load_sub : threadIdx.x) * Loader::kScaleSlotBytes;
+      return smem + Cfg::kScaleSlotsOffset + b * Cfg::kScaleSlotsBytes + threadIdx.x * Loader::kScaleSlotBytes;
     };
     auto issue_row = [&](const PendingRow& row, int b) {
       const bool valid = pending_valid<Loader::kF.dual_cache>(a, row);
       if (valid) {
         Loader::template issue<Cfg::kSplitTrailingLanes>(pending_cache<Loader::kF.dual_cache>(a, row), row.index,
-                                                          staged_row(b), scale_slot(b), load_sub, slice,
-                                                          !JSMLA_SCALE_ONE_COPY || load_sub == 0);
+                                                          staged_row(b), scale_slot(b), load_sub, slice);
       }
       cp_async_commit();
       return valid;
@@ -212,7 +208,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
       for (int i = 0; i < tiles.count; ++i) {
         const int b = i & 1;
         cp_async_wait_pending<1>();
-        if (JSMLA_SCALE_ONE_COPY) __syncwarp();
         clock.mark(1 + 2 * i);  // tile i landed
         if (i >= 2) named_barrier_sync(Cfg::kEmptyBarrier + b, Cfg::kThreads);
         uint8_t* const tile = tile_buffer(b);
@@ -226,7 +221,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) sparse_mla_hopper_kernel(con
         }
         named_barrier_arrive(Cfg::kFullBarrier + b, Cfg::kProducerThreads + Cfg::kScorerThreads);
         clock.mark(2 + 2 * i);  // tile i converted
-        if (JSMLA_SCALE_ONE_COPY) __syncwarp();  // the row's threads have read scale slot set b
         staged_valid = (staged_valid & ~(1u << b)) | (issue_row(pending, b) ? 1u << b : 0u);
         pending = read_pending_row<Loader::kF.dual_cache>(a, tiles, token, i + 3, load_row);
       }
