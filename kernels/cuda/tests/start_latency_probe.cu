@@ -295,6 +295,9 @@ int main() {
     code_case<8192, true>(probe, blocks);
     jump_case<128>(probe, blocks, false);
     jump_case<128>(probe, blocks, true);
+    // Between 36 and 134 KB of code (an instance of 67 KB: does it stay cached?)
+    jump_case<256>(probe, blocks, false);
+    jump_case<384>(probe, blocks, false);
     jump_case<512>(probe, blocks, false);
     jump_case<512>(probe, blocks, true);
   }
