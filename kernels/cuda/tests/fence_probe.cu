@@ -1,9 +1,9 @@
 // What the producers' proxy fence costs on this GPU: `fence.proxy.async.shared::cta` (which compiles to
 // MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S on sm_90a) after a thread's shared-memory stores, with and
 // without that thread's global → shared copies (cp.async) or global loads still in flight, against the
-// time those copies take to land. The Hopper producers used to fence each converted tile while the next
-// tile's copies were in flight; the fence cost measured here is why their consumers fence it now
-// (hopper/wgmma.cuh: fence_proxy_async_shared).
+// time those copies take to land. The cost measured here with copies in flight is why the Hopper kernels
+// fence a converted tile in its consumers, after their wait, not in its producers, whose next tile's
+// copies are then in flight (hopper/wgmma.cuh: fence_proxy_async_shared).
 //
 // One launch of G blocks of 128 threads a case. Every thread copies (or loads) kCopies 16-byte units of
 // its own 1 KB row of a buffer four times the L2 (a fresh region each launch, so the copies go to DRAM),
