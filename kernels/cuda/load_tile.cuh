@@ -23,6 +23,12 @@
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/loader_geometry.h"
 
+// Compile-time knob for A/B timing: 1 converts FP4 with the signs merged into the BF16 high bytes before
+// the interleave (fewer instructions a pair); 0 (the default): signs merged per pair after it.
+#ifndef JSMLA_FP4_SIGNED_HIGH
+#define JSMLA_FP4_SIGNED_HIGH 0
+#endif
+
 namespace jsmla::cuda {
 
 template <FormatId kFormat, int kCandidateTile, int kThreads, int kLaneSlices = 1>
@@ -324,6 +330,19 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     return scale;
   }
 
+  // FP4 unit × its two groups' E4M3 scales → 32 BF16 values (four stores of 8; word w of the unit holds
+  // K lanes [32 unit + 8 w, + 8), in group 2 unit + w / 2). Every e2m1 value times an E4M3 scale is
+  // exact in BF16, so one BF16 multiply gives the FP32 product's bits (NaN scales give NaN).
+  template <class Store>
+  static JSMLA_DEVICE void dequantize_fp4_unit(uint4 fp4, const uint8_t* scale_slot, int unit, Store& store) {
+    const uint32_t low_scale = bf16x2_broadcast_high(__float_as_uint(group_scale_of(scale_slot, 2 * unit)));
+    const uint32_t high_scale = bf16x2_broadcast_high(__float_as_uint(group_scale_of(scale_slot, 2 * unit + 1)));
+    store(32 * unit, fp4x8_to_bf16x8(fp4.x, low_scale));
+    store(32 * unit + 8, fp4x8_to_bf16x8(fp4.y, low_scale));
+    store(32 * unit + 16, fp4x8_to_bf16x8(fp4.z, high_scale));
+    store(32 * unit + 24, fp4x8_to_bf16x8(fp4.w, high_scale));
+  }
+
   // Scales the bit path serves: zero and the powers of two up to 2^7 in magnitude, for which it gives
   // the same bits as the FP32 path (scale · 2^120 is then a normal BF16, and every e4m3 value times it
   // is exact in BF16). Any other scale, NaN and infinity included, takes the FP32 path.
@@ -379,19 +398,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
     return pair;
   }
 
-  // FP4 unit × its two groups' E4M3 scales → 32 BF16 values (four stores of 8; word w of the unit holds
-  // K lanes [32 unit + 8 w, + 8), in group 2 unit + w / 2). Every e2m1 value times an E4M3 scale is
-  // exact in BF16, so one BF16 multiply gives the FP32 product's bits (NaN scales give NaN).
-  template <class Store>
-  static JSMLA_DEVICE void dequantize_fp4_unit(uint4 fp4, const uint8_t* scale_slot, int unit, Store& store) {
-    const uint32_t low_scale = bf16x2_broadcast_high(__float_as_uint(group_scale_of(scale_slot, 2 * unit)));
-    const uint32_t high_scale = bf16x2_broadcast_high(__float_as_uint(group_scale_of(scale_slot, 2 * unit + 1)));
-    store(32 * unit, fp4x8_to_bf16x8(fp4.x, low_scale));
-    store(32 * unit + 8, fp4x8_to_bf16x8(fp4.y, low_scale));
-    store(32 * unit + 16, fp4x8_to_bf16x8(fp4.z, high_scale));
-    store(32 * unit + 24, fp4x8_to_bf16x8(fp4.w, high_scale));
-  }
-
   // BF16 bits of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7): their low bytes and
   // their high bytes, four codes per word (code c in byte c % 4 of word c / 4).
   static constexpr uint32_t kFp4LowBytes0 = 0xc0800000u, kFp4LowBytes1 = 0xc0804000u;
@@ -404,6 +410,29 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
   static JSMLA_DEVICE uint4 fp4x8_to_bf16x8(uint32_t word, uint32_t scale) {
     const uint32_t shifted = word << 4;
     uint32_t pairs[4];
+#if JSMLA_FP4_SIGNED_HIGH
+    const uint32_t codes = word & 0x77777777u;  // magnitude codes; prmt reads a selector's low 16 bits
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t half_codes = codes >> (16 * half);
+      uint32_t low, high, signs;
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(low) : "r"(kFp4LowBytes0), "r"(kFp4LowBytes1), "r"(half_codes));
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(high) : "r"(kFp4HighBytes0), "r"(kFp4HighBytes1), "r"(half_codes));
+      // Byte i ← 0xff where value 4 half + i is negative: bytes 2 half, 2 half + 1 of shifted (even
+      // values) and of word (odd values), replicated.
+      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(signs) : "r"(word), "r"(shifted), "r"(half == 0 ? 0x9d8cu : 0xbfaeu));
+      high |= signs & 0x80808080u;  // the BF16 high bytes with their signs
+#pragma unroll
+      for (int pair = 0; pair < 2; ++pair) {
+        uint32_t lanes;  // BF16 lanes (value 4 half + 2 pair, + 1): bytes low, high, low, high
+        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(lanes) : "r"(low), "r"(high), "r"(pair == 0 ? 0x5140u : 0x7362u));
+        uint32_t product;
+        // x · s + (-0) is exactly the product, signed zeros included.
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(product) : "r"(lanes), "r"(scale), "r"(0x80008000u));
+        pairs[2 * half + pair] = product;
+      }
+    }
+#else
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const uint32_t codes = (word >> (16 * half)) & 0x7777u;  // four magnitude codes as prmt selectors
@@ -428,6 +457,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
         pairs[byte] = product;
       }
     }
+#endif
     return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
   }
 

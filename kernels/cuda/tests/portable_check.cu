@@ -812,6 +812,48 @@ void check_ue8m0_scales() {
   g_failed |= mismatches != 0;
 }
 
+// Every FP4 byte (two e2m1 values) times every E4M3 scale byte through the loader's FP4 conversion,
+// against the host's product rounded to BF16 (exact in BF16; NaN scales give NaN, signed zeros kept).
+__global__ void fp4_probe_kernel(uint16_t* out) {
+  const uint8_t scale_codes[2] = {static_cast<uint8_t>(blockIdx.x), static_cast<uint8_t>(blockIdx.x)};
+  const int t = threadIdx.x;  // bytes 16 t .. 16 t + 15, i.e. values 32 t .. 32 t + 31 (value 2 b + n: nibble n of byte b)
+  uint32_t words[4];
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t c = 16 * t + 4 * w;
+    words[w] = c | (c + 1) << 8 | (c + 2) << 16 | (c + 3) << 24;
+  }
+  uint16_t* const values = out + blockIdx.x * 512 + 32 * t;
+  auto store = [&](int dim, uint4 v) { *reinterpret_cast<uint4*>(values + dim) = v; };
+  E4m3Loader::dequantize_fp4_unit(make_uint4(words[0], words[1], words[2], words[3]), scale_codes, 0, store);
+}
+
+void check_fp4_dequantization() {
+  uint16_t* d_out;
+  CHECK_CUDA(cudaMalloc(&d_out, 256 * 512 * sizeof(uint16_t)));
+  fp4_probe_kernel<<<256, 16>>>(d_out);
+  CHECK_CUDA(cudaGetLastError());
+  std::vector<uint16_t> got(256 * 512);
+  CHECK_CUDA(cudaMemcpy(got.data(), d_out, got.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+  cudaFree(d_out);
+  static const float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  int mismatches = 0;
+  for (int s = 0; s < 256; ++s) {
+    const float scale = fp8_e4m3_to_float(static_cast<uint8_t>(s));
+    for (int v = 0; v < 512; ++v) {
+      const int code = ((v / 2) >> (4 * (v % 2))) & 0xf;
+      const float value = (code & 8) ? -kMagnitudes[code & 7] : kMagnitudes[code & 7];
+      const uint16_t want = float_to_bf16(value * scale), have = got[s * 512 + v];
+      const bool ok = std::isnan(bf16_to_float(want)) ? std::isnan(bf16_to_float(have)) : have == want;
+      if (!ok) {
+        if (mismatches < 10) std::printf("fp4: code 0x%x scale byte 0x%02x: %04x (want %04x)\n", code, s, have, want);
+        ++mismatches;
+      }
+    }
+  }
+  std::printf("fp4 dequantization: 256 bytes x 256 E4M3 scales: %s\n", mismatches == 0 ? "PASS" : "FAIL");
+  g_failed |= mismatches != 0;
+}
+
 // The timed modes' table (one line a case: plan, checks, median µs, TFLOP/s); the exit status.
 int print_timed_rows() {
   for (const Row& r : g_rows) {
@@ -1068,6 +1110,7 @@ int main(int argc, char** argv) {
   const int reps = quick ? 0 : 15;
   check_dequantization();
   check_ue8m0_scales();
+  check_fp4_dequantization();
 
   // ---- dsv3_2: the headline shape, 262144-token pool (172 MB), page 64 ----
   {
