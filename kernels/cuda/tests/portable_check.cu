@@ -835,14 +835,13 @@ void check_fp4_dequantization() {
   std::vector<uint16_t> got(256 * 512);
   CHECK_CUDA(cudaMemcpy(got.data(), d_out, got.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
   cudaFree(d_out);
-  static const float kMagnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
   int mismatches = 0;
   for (int s = 0; s < 256; ++s) {
     const float scale = fp8_e4m3_to_float(static_cast<uint8_t>(s));
     for (int v = 0; v < 512; ++v) {
       const int code = ((v / 2) >> (4 * (v % 2))) & 0xf;
-      const float value = (code & 8) ? -kMagnitudes[code & 7] : kMagnitudes[code & 7];
-      const uint16_t want = float_to_bf16(value * scale), have = got[s * 512 + v];
+      const uint16_t want = float_to_bf16(fp4_e2m1_to_float(static_cast<uint8_t>(code)) * scale);
+      const uint16_t have = got[s * 512 + v];
       const bool ok = std::isnan(bf16_to_float(want)) ? std::isnan(bf16_to_float(have)) : have == want;
       if (!ok) {
         if (mismatches < 10) std::printf("fp4: code 0x%x scale byte 0x%02x: %04x (want %04x)\n", code, s, have, want);
