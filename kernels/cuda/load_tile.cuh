@@ -23,12 +23,6 @@
 #include "kernels/cuda/device_utils.cuh"
 #include "kernels/cuda/loader_geometry.h"
 
-// Compile-time knob for A/B timing: 1 converts FP4 with the signs merged into the BF16 high bytes before
-// the interleave (fewer instructions a pair); 0 (the default): signs merged per pair after it.
-#ifndef JSMLA_FP4_SIGNED_HIGH
-#define JSMLA_FP4_SIGNED_HIGH 0
-#endif
-
 namespace jsmla::cuda {
 
 template <FormatId kFormat, int kCandidateTile, int kThreads, int kLaneSlices = 1>
@@ -403,14 +397,15 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
   static constexpr uint32_t kFp4LowBytes0 = 0xc0800000u, kFp4LowBytes1 = 0xc0804000u;
   static constexpr uint32_t kFp4HighBytes0 = 0x3f3f3f00u, kFp4HighBytes1 = 0x40404040u;
 
-  // The 8 e2m1 values of `word` (value i in nibble i) times the BF16 pair `scale`: the magnitude
-  // codes index the byte tables with prmt; the signs come from prmt's sign replication (the sign of
-  // value 2k + 1 is bit 7 of byte k of `word`, that of value 2k bit 7 of byte k of word << 4) and are
-  // kept at bit 15 of each BF16 lane.
+  // The 8 e2m1 values of `word` (value i in nibble i) times the BF16 pair `scale`, four values at a
+  // time: the magnitude codes index the byte tables with prmt; the signs come from prmt's sign
+  // replication (the sign of value 2k + 1 is bit 7 of byte k of `word`, that of value 2k bit 7 of byte
+  // k of word << 4) and go into bit 7 of the four high bytes before the interleave, so that one prmt
+  // and one lop3 sign four values (signing each pair after the interleave took one of each a pair:
+  // the 16-head `dsv4_nvfp4` instance, bound by this conversion, had 80 SASS instructions more).
   static JSMLA_DEVICE uint4 fp4x8_to_bf16x8(uint32_t word, uint32_t scale) {
     const uint32_t shifted = word << 4;
     uint32_t pairs[4];
-#if JSMLA_FP4_SIGNED_HIGH
     const uint32_t codes = word & 0x77777777u;  // magnitude codes; prmt reads a selector's low 16 bits
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -432,32 +427,6 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
         pairs[2 * half + pair] = product;
       }
     }
-#else
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t codes = (word >> (16 * half)) & 0x7777u;  // four magnitude codes as prmt selectors
-      uint32_t low, high;
-      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(low) : "r"(kFp4LowBytes0), "r"(kFp4LowBytes1), "r"(codes));
-      asm("prmt.b32 %0, %1, %2, %3;" : "=r"(high) : "r"(kFp4HighBytes0), "r"(kFp4HighBytes1), "r"(codes));
-#pragma unroll
-      for (int pair = 0; pair < 2; ++pair) {
-        const int byte = 2 * half + pair;  // the byte of `word` holding values 2 byte, 2 byte + 1
-        uint32_t magnitudes;  // BF16 lanes (value 2 byte, value 2 byte + 1): bytes low, high, low, high
-        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(magnitudes) : "r"(low), "r"(high), "r"(pair == 0 ? 0x5140u : 0x7362u));
-        // Byte 1 ← sign of value 2 byte (byte `byte` of shifted, replicated), byte 3 ← sign of value
-        // 2 byte + 1 (byte `byte` of word, replicated); bytes 0 and 2 are masked off below.
-        const uint32_t selector = ((0x8u | byte) << 12) | ((0xcu | byte) << 4);
-        uint32_t signs;
-        asm("prmt.b32 %0, %1, %2, %3;" : "=r"(signs) : "r"(word), "r"(shifted), "r"(selector));
-        uint32_t product;
-        // x · s + (-0) is exactly the product, signed zeros included.
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;"
-            : "=r"(product)
-            : "r"(magnitudes | (signs & 0x80008000u)), "r"(scale), "r"(0x80008000u));
-        pairs[byte] = product;
-      }
-    }
-#endif
     return make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
   }
 
