@@ -22,7 +22,8 @@ import time
 
 from absl import app, flags, logging
 
-flags.DEFINE_enum("grid", "full", ["full", "smoke"], "Which shapes to run.")
+flags.DEFINE_enum("grid", "full", ["full", "smoke", "compare"],
+                  "Which shapes to run (compare: the shapes of the FlashMLA side-by-side, with --formats dsv3_2).")
 flags.DEFINE_list("formats", ["dsv3_2", "dsv4"], "Formats of the decode grid.")
 flags.DEFINE_integer("steps", 8, "Index sets per timed call (lax.scan length).")
 flags.DEFINE_integer("small_steps", 32, "Index sets per timed call for T <= 16, where one step is short enough "
@@ -50,14 +51,22 @@ FLAGS = flags.FLAGS
 TOPK = 2048
 
 
+# The side-by-side with FlashMLA (docs/performance.md): the small-batch rows (T <= 32) and the tile-pace
+# rows (T >= 64, H = 128 and 64; H = 16, which FlashMLA runs padded to 64 heads), then prefill T = 4096.
+COMPARE_DECODE = [(1, 128), (16, 128), (32, 128), (64, 128), (128, 128), (128, 64),
+                  (1, 16), (16, 16), (32, 16), (128, 16)]
+
+
 def decode_grid(grid):
     if grid == "smoke":
         return [(1, 128), (128, 128), (64, 16)]
+    if grid == "compare":
+        return list(COMPARE_DECODE)
     return [(t, h) for h in (16, 64, 128) for t in (1, 16, 64, 128, 1024)]
 
 
 def prefill_grid(grid):
-    return [(1024, 128)] if grid == "smoke" else [(1024, 128), (4096, 128)]
+    return {"smoke": [(1024, 128)], "compare": [(4096, 128)]}.get(grid, [(1024, 128), (4096, 128)])
 
 
 # ------------------------------------------------------------------------------------------------

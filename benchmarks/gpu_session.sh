@@ -20,7 +20,8 @@
 #                                                 # the GPU smoke tier, the example's decode-step benchmark
 #                                                 # (its pure-Python needs from $JSMLA_EXTRA_WHEELS, if set)
 #   bash benchmarks/gpu_session.sh compare        # build (+ FlashMLA) + smoke tier + standalone check + the
-#                                                 # benchmark cases of JSMLA_BENCH_ARGS with a FlashMLA column
+#                                                 # benchmark cases of JSMLA_BENCH_ARGS (default: bench.py's
+#                                                 # --grid compare on dsv3_2) with a FlashMLA column
 #                                                 # (JSMLA_COMPARE_TESTS=0 / JSMLA_COMPARE_CHECK=0 skip the
 #                                                 # tier / the check)
 #   bash benchmarks/gpu_session.sh backward       # build + the backward's GPU tests + memcheck, racecheck and
@@ -269,8 +270,8 @@ case "$mode" in
       wait "$flashmla_pid" && export PYTHONPATH="$flashmla_src${PYTHONPATH:+:$PYTHONPATH}" \
         || { echo "FlashMLA build failed:"; tail -5 "$out/flashmla_build.log"; }
     fi
-    timeout "${JSMLA_BENCH_TIMEOUT:-300}" python3 "$repo/benchmarks/bench.py" ${JSMLA_BENCH_ARGS:-} --out_dir "$out" \
-      > "$out/bench.log" 2>&1 || status=1
+    timeout "${JSMLA_BENCH_TIMEOUT:-300}" python3 "$repo/benchmarks/bench.py" \
+      ${JSMLA_BENCH_ARGS:---grid compare --formats dsv3_2 --flashmla on} --out_dir "$out" > "$out/bench.log" 2>&1 || status=1
     tail -30 "$out/bench.log"
     ;;
   wheel)

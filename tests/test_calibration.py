@@ -385,3 +385,17 @@ def test_step_profile_gradient_step_runs(tmp_path):
     refused = subprocess.run([sys.executable, script, "--format", "dsv3_2", "--gradient", "cache"],
                              env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert refused.returncode != 0 and "needs a bf16_* cache" in refused.stderr
+
+
+def test_bench_compare_grid_is_the_flashmla_side_by_side():
+    """benchmarks/bench.py --grid compare: the small-batch rows (T <= 32 at H = 128 and 16), the tile-pace
+    rows (T >= 64 at H = 128, T = 128 at H = 64 and 16) and prefill T = 4096; the flag accepts it and the
+    other grids keep their shapes."""
+    bench = _load_benchmark_script("bench")
+    decode = bench.decode_grid("compare")
+    assert len(decode) == len(set(decode))
+    assert {(1, 128), (16, 128), (32, 128), (64, 128), (128, 128), (128, 64), (1, 16), (128, 16)} <= set(decode)
+    assert bench.prefill_grid("compare") == [(4096, 128)]
+    assert "compare" in bench.FLAGS["grid"].parser.enum_values
+    assert bench.decode_grid("smoke") == [(1, 128), (128, 128), (64, 16)]
+    assert len(bench.decode_grid("full")) == 15 and bench.prefill_grid("full") == [(1024, 128), (4096, 128)]
