@@ -270,8 +270,10 @@ case "$mode" in
       wait "$flashmla_pid" && export PYTHONPATH="$flashmla_src${PYTHONPATH:+:$PYTHONPATH}" \
         || { echo "FlashMLA build failed:"; tail -5 "$out/flashmla_build.log"; }
     fi
-    timeout "${JSMLA_BENCH_TIMEOUT:-300}" python3 "$repo/benchmarks/bench.py" \
-      ${JSMLA_BENCH_ARGS:---grid compare --formats dsv3_2 --flashmla on} --out_dir "$out" > "$out/bench.log" 2>&1 || status=1
+    compare_args="--grid compare --formats dsv3_2 --prefill_formats dsv3_2,bf16_576 --flashmla on"
+    # shellcheck disable=SC2086  # a list of bench.py arguments
+    timeout "${JSMLA_BENCH_TIMEOUT:-300}" python3 "$repo/benchmarks/bench.py" ${JSMLA_BENCH_ARGS:-$compare_args} \
+      --out_dir "$out" > "$out/bench.log" 2>&1 || status=1
     tail -30 "$out/bench.log"
     ;;
   wheel)
