@@ -401,8 +401,7 @@ struct TileLoader : LoaderGeometry<kFormat, kCandidateTile, kThreads, kLaneSlice
   // time: the magnitude codes index the byte tables with prmt; the signs come from prmt's sign
   // replication (the sign of value 2k + 1 is bit 7 of byte k of `word`, that of value 2k bit 7 of byte
   // k of word << 4) and go into bit 7 of the four high bytes before the interleave, so that one prmt
-  // and one lop3 sign four values. Signing each pair after the interleave takes a prmt and a lop3 per
-  // pair: 80 more SASS instructions in the 16-head `dsv4_nvfp4` instance, whose pace this sets.
+  // and one lop3 sign four values rather than two (this conversion sets the FP4 producers' pace).
   static JSMLA_DEVICE uint4 fp4x8_to_bf16x8(uint32_t word, uint32_t scale) {
     const uint32_t shifted = word << 4;
     uint32_t pairs[4];
